@@ -1,0 +1,34 @@
+# eagledata: prompts -> responses -> exact token ids -> validation -> EAGLE-3 hidden states.
+# Targets: `all` (every dataset), or one rule per dataset named after it (`snakemake --cores 8 B3`).
+from snakemake.utils import min_version, validate
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+validate(config, "config/schema.yaml")
+
+
+include: "rules/common.smk"
+include: "rules/demo.smk"
+include: "rules/generate.smk"
+include: "rules/tokens.smk"
+include: "rules/validate.smk"
+include: "rules/extract.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        all_targets(),
+
+
+for _dataset in DATASETS:
+
+    rule:
+        name:
+            _dataset
+        input:
+            dataset_targets(_dataset),

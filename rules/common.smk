@@ -1,0 +1,86 @@
+# Helpers shared by every stage: resolved settings, paths, input functions.
+import re
+from pathlib import Path
+
+from eagledata.config import dataset_settings, validate_config
+
+validate_config(config, "config")  # same defaults and cross-checks as the library
+
+RESULTS = config["results_dir"]
+DATASETS = list(config["datasets"])
+IMPORTED_DATASETS = [d for d in DATASETS if config["datasets"][d].get("responses")]
+GENERATED_DATASETS = [d for d in DATASETS if d not in IMPORTED_DATASETS]
+TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "pattern.txt", "chat_template.jinja",
+                   "tokenizer.json", "special_tokens_map.json", "tokenizer.model")
+# Library modules whose change must rebuild the derived (free) stages. Never generation.
+RECONSTRUCTION_CODE = [f"src/eagledata/{m}.py" for m in
+                       ("tokenizer", "families", "chat", "responses", "reconstruct", "samples", "checks", "tokens")]
+
+
+def regex_of(names):
+    return "|".join(re.escape(n) for n in names) if names else "(?!x)x"
+
+
+def settings(name):
+    return dataset_settings(config, name)
+
+
+def model_of(wildcards):
+    return config["models"][config["datasets"][wildcards.dataset]["model"]]
+
+
+def tokenizer_input(wildcards):
+    """The tokenizer's files, so a changed vocabulary or template reruns tokens and downstream.
+    A path a rule builds (the demo tokenizer) is returned as the directory itself; a hub id
+    (no local path) contributes nothing: its identity is in params."""
+    model = model_of(wildcards)
+    tok = model["tokenizer"]
+    files = [model["chat_template"]] if model.get("chat_template") else []
+    if tok.startswith(f"{RESULTS}/_assets/"):
+        return [tok] + files
+    path = Path(tok)
+    if path.is_dir():
+        return [str(path / f) for f in TOKENIZER_FILES if (path / f).exists()] + files
+    return files
+
+
+def weights_input(wildcards):
+    weights = model_of(wildcards).get("weights")
+    if not weights:
+        raise ValueError(f"dataset {wildcards.dataset}: model has no 'weights' for extraction")
+    return weights
+
+
+def dataset_targets(name):
+    targets = [f"{RESULTS}/{name}/validation.json"]
+    model = config["models"][config["datasets"][name]["model"]]
+    if config["extraction"]["enabled"] and model.get("weights"):
+        targets.append(f"{RESULTS}/{name}/hidden")
+    return targets
+
+
+def all_targets():
+    return [t for name in DATASETS for t in dataset_targets(name)]
+
+
+_clashes = set(DATASETS) & {"all", "generate", "import_responses", "tokens", "validate", "extract",
+                             "demo_tokenizer", "demo_model"}
+if _clashes:
+    raise ValueError(f"config: dataset name(s) {sorted(_clashes)} clash with rule names; rename them")
+
+
+wildcard_constraints:
+    dataset=regex_of(DATASETS),
+
+
+def _validation_setting(wildcards, key):
+    own = config["datasets"][wildcards.dataset].get("validation") or {}
+    return own.get(key, config["validation"][key])
+
+
+def dataset_policy(wildcards):
+    return _validation_setting(wildcards, "policy")
+
+
+def dataset_max_bad_fraction(wildcards):
+    return _validation_setting(wildcards, "max_bad_fraction")

@@ -1,0 +1,16 @@
+rule validate:
+    """Per-dataset validation.json and summary; fails (blocking extraction) above the bad-sample limit."""
+    input:
+        tokens=f"{RESULTS}/{{dataset}}/tokens",
+        code="src/eagledata/validate.py",
+    output:
+        json=report(f"{RESULTS}/{{dataset}}/validation.json", category="Validation", labels={"dataset": "{dataset}", "file": "validation.json"}),
+        summary=report(f"{RESULTS}/{{dataset}}/validation.txt", category="Validation", labels={"dataset": "{dataset}", "file": "summary"}),
+    params:
+        max_bad_fraction=dataset_max_bad_fraction,
+    log:
+        "logs/{dataset}/validate.log",
+    conda:
+        "../envs/core.yaml"
+    script:
+        "../scripts/validate.py"

@@ -1,0 +1,234 @@
+"""Per-sample checks and verdicts: every token id proven against the provider's billed counts, or
+flagged with a machine-readable reason and a human sentence.
+
+Verdicts:
+
+* ``exact``: completion (and, where reported, reasoning and prompt) counts match the provider's
+  billed counts under the provider's count convention, and every structural check passes;
+* ``repaired``: as exact, but the text needed a known repair (a rebuilt tool-call id, tool markup
+  moved out of text, reasoning split out of content);
+* ``mismatch``: any blocking reason (counts differ, truncated, lossy text, broken structure, ...);
+* ``error``: the provider answered with an error (HTTP, in a 200 body, mid-stream) or garbage.
+
+Count conventions (only these are accepted, never a learned offset): ``counts_eot`` (billed
+completion tokens include the final end-of-turn token) and ``excludes_eot``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+from .families import ModelFamily
+from .samples import Sample
+from .tokenizer import Tokenizer
+
+COUNTS_EOT = "counts_eot"
+EXCLUDES_EOT = "excludes_eot"
+CONVENTIONS = (COUNTS_EOT, EXCLUDES_EOT)
+
+#: code -> (severity, sentence). severity: error | block | repair | info
+REASONS: dict[str, tuple[str, str]] = {
+    "http_error": ("error", "the provider answered with an HTTP error status"),
+    "error_in_body": ("error", "the provider returned an error object inside an HTTP 200 body"),
+    "error_mid_stream": ("error", "the stream carried an error or ended before finishing"),
+    "finish_error": ("error", "finish_reason is 'error': generation failed upstream"),
+    "malformed_body": ("error", "the response body is not valid JSON or SSE"),
+    "prompt_unrenderable": ("error", "the request's messages could not be rendered with the chat template"),
+    "truncated": ("block", "the completion was cut at max_tokens (finish_reason 'length'): no end-of-turn"),
+    "empty_response": ("block", "the response has no reasoning, no content and no tool calls"),
+    "lossy_text": ("block", "returned text contains U+FFFD: bytes were lost, the ids cannot be proven"),
+    "completion_count_missing": ("block", "usage.completion_tokens is missing: nothing to prove the ids against"),
+    "completion_count_mismatch": ("block", "our completion token count differs from usage.completion_tokens under the provider's convention"),
+    "reasoning_count_mismatch": ("block", "our reasoning token count differs from completion_tokens_details.reasoning_tokens (equal or +1 for </think> allowed)"),
+    "prompt_count_mismatch": ("block", "our rendered prompt's token count differs from usage.prompt_tokens"),
+    "unknown_count_convention": ("block", "the provider's counts follow neither known convention (end-of-turn counted or not)"),
+    "reasoning_missing": ("block", "thinking was requested but the response carries no reasoning"),
+    "reasoning_unexpected": ("block", "reasoning text returned for a model or request without thinking"),
+    "think_close_count": ("block", "a thinking completion must contain exactly one </think>"),
+    "tool_section_malformed": ("block", "the tool-call section's special tokens are not well formed"),
+    "end_of_turn_misplaced": ("block", "end-of-turn must be the last token exactly when the model stopped"),
+    "special_in_text": ("block", "a special-token id appears inside a text segment"),
+    "decode_mismatch": ("block", "decoding our ids does not give back the provider's text"),
+    "tool_call_malformed": ("block", "a tool call has no function name"),
+    "text_after_tool_section": ("block", "text follows the tool-call section in the returned markup"),
+    "tool_id_rebuilt": ("repair", "a tool-call id was not the model's native functions.NAME:IDX and was rebuilt"),
+    "tool_markup_in_content": ("repair", "tool calls came as raw markup inside content and were moved to the tool section"),
+    "tool_markup_in_reasoning": ("repair", "tool calls came as raw markup inside reasoning and were moved to the tool section"),
+    "reasoning_in_content": ("repair", "reasoning came inside content between think tags and was split out"),
+    "tool_id_index_unexpected": ("info", "a native tool-call id's index differs from the conversation-wide count"),
+    "reasoning_count_unreported": ("info", "the provider reports 0 reasoning tokens for a response with reasoning"),
+}
+
+_ERROR_CODES = {"http": "http_error", "body": "error_in_body", "stream": "error_mid_stream",
+                "finish": "finish_error", "malformed": "malformed_body"}
+
+
+@dataclass
+class SampleStats:
+    """The scalar facts of one sample that verdicts are computed from."""
+
+    id: str
+    provider: str
+    finish_reason: str | None
+    prompt_len: int
+    completion_len: int
+    reasoning_len: int
+    has_eot: bool
+    billed_prompt: int | None
+    billed_completion: int | None
+    billed_reasoning: int | None
+    codes: list[str] = field(default_factory=list)  # convention-independent reasons
+
+    def completion_diff(self, convention: str) -> int | None:
+        if self.billed_completion is None:
+            return None
+        ours = self.completion_len - (1 if convention == EXCLUDES_EOT and self.has_eot else 0)
+        return ours - self.billed_completion
+
+    @property
+    def prompt_diff(self) -> int | None:
+        return None if self.billed_prompt is None or self.prompt_len == 0 else self.prompt_len - self.billed_prompt
+
+
+def structural_codes(sample: Sample, tokenizer: Tokenizer, family: ModelFamily) -> list[str]:
+    """Convention-independent reasons of one sample (errors, structure, decode, flags)."""
+    codes: list[str] = []
+    p, rc = sample.parsed, sample.completion
+    if p.error is not None:
+        codes.append(_ERROR_CODES.get(p.error.where, "malformed_body"))
+    if sample.prompt_error:
+        codes.append("prompt_unrenderable")
+    codes.extend(f for f in rc.flags if f in REASONS)
+    if p.error is None:
+        if p.finish_reason == "length":
+            codes.append("truncated")
+        if not (p.reasoning or p.content or p.tool_calls):
+            codes.append("empty_response")
+        if rc.thinking and sample.thinking_requested is not False and not rc.segment_text("reasoning"):
+            codes.append("reasoning_missing")
+        if p.completion_tokens is None:
+            codes.append("completion_count_missing")
+    codes.extend(_structure_codes(rc, tokenizer, family, truncated=p.finish_reason == "length" or p.error is not None))
+    return list(dict.fromkeys(codes))
+
+
+def _structure_codes(rc, tokenizer: Tokenizer, family: ModelFamily, truncated: bool) -> list[str]:
+    ids = rc.ids
+    codes = []
+    sid = tokenizer.special_id
+    if rc.thinking and not truncated:
+        if ids.count(sid(family.think_close)) != 1:
+            codes.append("think_close_count")
+    begin, end = sid(family.tool_section_begin), sid(family.tool_section_end)
+    n_begin, n_end = ids.count(begin), ids.count(end)
+    if n_begin != n_end or n_begin > 1:
+        codes.append("tool_section_malformed")
+    elif n_begin == 1:
+        b, e = ids.index(begin), ids.index(end)
+        order = [t for t in ids[b:e + 1] if t in (sid(family.tool_call_begin), sid(family.tool_argument_begin), sid(family.tool_call_end))]
+        triple = [sid(family.tool_call_begin), sid(family.tool_argument_begin), sid(family.tool_call_end)]
+        if b > e or len(order) % 3 or any(order[i:i + 3] != triple for i in range(0, len(order), 3)):
+            codes.append("tool_section_malformed")
+    eot = sid(family.end_of_turn)
+    n_eot = ids.count(eot)
+    if rc.stopped != (n_eot == 1 and ids[-1] == eot) or n_eot > 1:
+        codes.append("end_of_turn_misplaced")
+    for seg in rc.segments:
+        if seg.text is None:
+            continue
+        seg_ids = ids[seg.start:seg.end]
+        if any(tokenizer.is_special_id(t) for t in seg_ids):
+            codes.append("special_in_text")
+        if tokenizer.decode(seg_ids) != seg.text:
+            codes.append("decode_mismatch")
+    return list(dict.fromkeys(codes))
+
+
+def sample_stats(sample: Sample, tokenizer: Tokenizer, family: ModelFamily) -> SampleStats:
+    p, rc = sample.parsed, sample.completion
+    return SampleStats(
+        id=sample.id,
+        provider=p.provider or "unknown",
+        finish_reason=p.finish_reason,
+        prompt_len=len(sample.prompt_ids),
+        completion_len=len(rc.ids),
+        reasoning_len=rc.reasoning_tokens,
+        has_eot=rc.stopped,
+        billed_prompt=p.prompt_tokens,
+        billed_completion=p.completion_tokens,
+        billed_reasoning=p.reasoning_tokens,
+        codes=structural_codes(sample, tokenizer, family),
+    )
+
+
+def learn_conventions(stats: Iterable[SampleStats]) -> dict[str, dict]:
+    """Per provider: which known convention its billed completion counts follow.
+
+    Only samples ending in end-of-turn tell the conventions apart; the convention with more exact
+    agreements wins (``counts_eot`` on a tie); a provider none of whose samples agree under either
+    is ``unknown``."""
+    support: dict[str, Counter] = {}
+    for s in stats:
+        c = support.setdefault(s.provider, Counter())
+        if not s.has_eot or s.billed_completion is None or any(REASONS[k][0] == "error" for k in s.codes):
+            continue
+        for conv in CONVENTIONS:
+            if s.completion_diff(conv) == 0:
+                c[conv] += 1
+    out = {}
+    for provider, c in support.items():
+        if not c:
+            out[provider] = {"convention": "unknown", "support": {}}
+            continue
+        conv = max(CONVENTIONS, key=lambda k: (c[k], k == COUNTS_EOT))
+        out[provider] = {"convention": conv, "support": dict(c)}
+    return out
+
+
+def verdict(stats: SampleStats, convention: str) -> tuple[str, list[str]]:
+    """(verdict, reasons) of one sample under its provider's convention."""
+    codes = list(stats.codes)
+    if convention == "unknown":
+        if stats.billed_completion is not None and not _has(codes, "error"):
+            codes.append("unknown_count_convention")
+    else:
+        diff = stats.completion_diff(convention)
+        if diff not in (None, 0):
+            codes.append("completion_count_mismatch")
+    br = stats.billed_reasoning
+    if br is not None:
+        if br == 0 and stats.reasoning_len > 0:
+            codes.append("reasoning_count_unreported")
+        elif br > 0 and br not in (stats.reasoning_len, stats.reasoning_len + 1):
+            codes.append("reasoning_count_mismatch")
+    if stats.prompt_diff not in (None, 0):
+        codes.append("prompt_count_mismatch")
+    if _has(codes, "error"):
+        v = "error"
+    elif _has(codes, "block"):
+        v = "mismatch"
+    elif _has(codes, "repair"):
+        v = "repaired"
+    else:
+        v = "exact"
+    return v, codes
+
+
+def _has(codes: list[str], severity: str) -> bool:
+    return any(REASONS[c][0] == severity for c in codes)
+
+
+def explain(codes: Iterable[str]) -> list[str]:
+    return [f"{c}: {REASONS[c][1]}" for c in codes]
+
+
+VERDICTS = ("exact", "repaired", "mismatch", "error")
+
+#: Which verdicts enter token-shard training selection and extraction, per policy name.
+POLICIES: Mapping[str, frozenset[str]] = {
+    "exact": frozenset({"exact"}),
+    "exact+repaired": frozenset({"exact", "repaired"}),
+    "all": frozenset({"exact", "repaired", "mismatch"}),
+}

@@ -1,0 +1,64 @@
+"""One response record -> one tokenized training sample (prompt ids + reconstructed completion ids).
+
+A response record is one line of a dataset's ``responses.jsonl`` (or of an imported recording):
+``request`` (the exact body sent), ``status`` and ``response_raw`` (the exact body received), plus
+an ``id``. :func:`tokenize_record` never raises on provider misbehaviour: the problems are carried
+in the sample (``parsed.error``, ``reconstruction.flags``) for :mod:`eagledata.checks` to judge.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .chat import ChatTemplateError, prompt_ids, request_thinking
+from .families import ModelFamily
+from .reconstruct import Reconstruction, count_tool_calls, reconstruct_completion
+from .responses import ParsedResponse, ResponseError, parse_response
+from .tokenizer import Tokenizer
+
+
+@dataclass
+class Sample:
+    id: str
+    request: Mapping[str, Any]
+    parsed: ParsedResponse
+    prompt_ids: list[int]
+    completion: Reconstruction
+    thinking_requested: bool | None
+    prompt_error: str | None = None
+
+    @property
+    def input_ids(self) -> list[int]:
+        return self.prompt_ids + self.completion.ids
+
+
+def record_id(record: Mapping[str, Any], fallback: str) -> str:
+    rid = record.get("id")
+    return str(rid) if rid is not None else fallback
+
+
+def tokenize_record(
+    record: Mapping[str, Any],
+    tokenizer: Tokenizer,
+    family: ModelFamily,
+    sample_id: str,
+    template: str | None = None,
+) -> Sample:
+    """Prompt ids from the chat template, completion ids from the exact response body."""
+    request = record.get("request") or {}
+    status = int(record.get("status") or 0)
+    raw = record.get("response_raw")
+    if not isinstance(raw, str):
+        parsed = ParsedResponse(streamed=False, error=ResponseError("malformed", "record has no response_raw text", "malformed"))
+    else:
+        parsed = parse_response(raw, status)
+    messages = request.get("messages") or []
+    thinking = request_thinking(request)
+    prompt_error = None
+    try:
+        p_ids = prompt_ids(tokenizer, messages, request.get("tools"), thinking=thinking, template=template)
+    except (ChatTemplateError, TypeError, KeyError, AttributeError) as exc:
+        p_ids, prompt_error = [], f"prompt could not be rendered: {exc}"
+    completion = reconstruct_completion(parsed, tokenizer, family, count_tool_calls(messages), thinking)
+    return Sample(sample_id, request, parsed, p_ids, completion, thinking, prompt_error)

@@ -1,0 +1,43 @@
+"""Shared fixtures. Tests that need ../shared (real Kimi tokenizers, recorded traffic) skip with a
+clear message where it is absent; EAGLEDATA_SHARED may point elsewhere."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("EAGLEDATA_SHARED", ROOT.parent / "shared"))
+
+
+def need_shared(*parts: str) -> Path:
+    path = SHARED.joinpath(*parts)
+    if not path.exists():
+        pytest.skip(f"needs {path} (the project's shared/ data; set EAGLEDATA_SHARED to its location)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def k25():
+    from eagledata.families import get_family
+    from eagledata.tokenizer import load_tokenizer
+
+    fam = get_family("kimi-k2.5")
+    return load_tokenizer(need_shared("tokenizers", "kimi-k2.5"), fam), fam
+
+
+@pytest.fixture(scope="session")
+def k2():
+    from eagledata.families import get_family
+    from eagledata.tokenizer import load_tokenizer
+
+    fam = get_family("kimi-k2")
+    return load_tokenizer(need_shared("tokenizers", "kimi-k2-instruct"), fam), fam
+
+
+@pytest.fixture(scope="session")
+def recorded():
+    path = need_shared("recorded", "openrouter-kimi-k2-0905.jsonl")
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]

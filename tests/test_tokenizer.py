@@ -1,0 +1,119 @@
+import dataclasses
+import json
+import shutil
+
+import pytest
+
+from eagledata.families import KIMI_PATTERN, get_family
+from eagledata.tokenizer import (
+    MAX_NO_WHITESPACES_CHARS,
+    TokenizerSelfCheckError,
+    _split_runs,
+    load_tokenizer,
+    self_check,
+    split_for_kimi,
+)
+
+from conftest import need_shared
+
+
+def test_builtin_pattern_is_kimis(k25):
+    assert need_shared("tokenizers", "kimi-k2.5", "pattern.txt").read_text().strip() == KIMI_PATTERN
+
+
+def test_special_ids_come_from_the_tokenizer(k25):
+    tok, fam = k25
+    assert tok.vocab_size == 163840
+    for name in fam.required_specials():
+        tid = tok.special_id(name)
+        assert tok.decode([tid]) == name
+        assert tok.encode_with_specials(name) == [tid]
+    # the documented table, checked against the loaded data (not used by the code)
+    assert tok.special_id("<|im_end|>") == 163586 and tok.special_id("</think>") == 163607
+
+
+def test_self_check_catches_a_wrong_id(k25):
+    tok, fam = k25
+    wrong = dataclasses.replace(tok, specials={**tok.specials, "<|im_end|>": 163533})
+    with pytest.raises(TokenizerSelfCheckError) as err:
+        self_check(wrong, fam.required_specials())
+    assert err.value.name == "<|im_end|>" and err.value.token_id == 163533
+    assert "chas" in str(err.value)
+
+
+def test_self_check_catches_a_missing_name(k25):
+    tok, _ = k25
+    with pytest.raises(TokenizerSelfCheckError, match="not in the tokenizer"):
+        self_check(tok, ["<|no_such_token|>"])
+
+
+def test_special_ids_are_read_from_the_config_not_typed_in(tmp_path):
+    src = need_shared("tokenizers", "kimi-k2.5")
+    for f in ("tiktoken.model", "pattern.txt"):
+        shutil.copy(src / f, tmp_path / f)
+    cfg = json.loads((src / "tokenizer_config.json").read_text())
+    # swap two names: the loaded ids follow the data
+    cfg["added_tokens_decoder"]["163586"]["content"] = "<|im_user|>"
+    cfg["added_tokens_decoder"]["163587"]["content"] = "<|im_end|>"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = load_tokenizer(tmp_path, get_family("kimi-k2.5"))  # self-consistent: passes
+    assert tok.special_id("<|im_end|>") == 163587  # ids are read, never typed in
+
+
+def test_plain_encoding_keeps_special_text_as_text(k25):
+    tok, _ = k25
+    text = "use <|im_end|> and </think> literally"
+    plain = tok.encode_plain(text)
+    assert tok.special_id("<|im_end|>") not in plain and tok.special_id("</think>") not in plain
+    assert not any(tok.is_special_id(t) for t in plain)
+    assert tok.decode(plain) == text
+    assert tok.special_id("<|im_end|>") in tok.encode_with_specials(text)
+
+
+def _reference_split(text, window=400_000, max_len=MAX_NO_WHITESPACES_CHARS):
+    for i in range(0, len(text), window):
+        yield from _split_runs(text[i:i + window], max_len)
+
+
+@pytest.mark.parametrize("text", [
+    "short text",
+    " " * 25_000 + "x",
+    " " * 25_001 + "abc",
+    "a" * 60_000,
+    ("word " * 90_000) + "z" * 30_000,
+    "x" * 400_001,
+])
+def test_long_input_split_matches_kimis_rule(text):
+    assert list(split_for_kimi(text)) == list(_reference_split(text))
+
+
+def test_long_runs_encode_like_kimi_pieces(k25):
+    tok, _ = k25
+    text = "a" * 30_000 + " " * 26_000 + "end"
+    pieces = list(_reference_split(text))
+    assert len(pieces) > 2
+    expected = [t for p in pieces for t in tok.encoding.encode_ordinary(p)]
+    assert tok.encode_plain(text) == expected
+
+
+def test_fingerprint_covers_the_template(tmp_path, k25):
+    tok, fam = k25
+    src = need_shared("tokenizers", "kimi-k2.5")
+    for f in src.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    same = load_tokenizer(tmp_path, fam)
+    assert same.fingerprint == tok.fingerprint
+    (tmp_path / "chat_template.jinja").write_text("{{ messages }}")
+    assert load_tokenizer(tmp_path, fam).fingerprint != tok.fingerprint
+
+
+def test_published_kimi_dir_loads_without_running_its_code(tmp_path):
+    """A model directory as published: no pattern.txt, a tokenization_kimi.py that must not run."""
+    src = need_shared("tokenizers", "kimi-k2.5")
+    for f in ("tiktoken.model", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(src / f, tmp_path / f)
+    (tmp_path / "tokenization_kimi.py").write_text("raise RuntimeError('shipped code must never be executed')\n")
+    tok = load_tokenizer(tmp_path, get_family("kimi-k2.5"))
+    ref = load_tokenizer(src, get_family("kimi-k2.5"))
+    sample = "中文混合 English, numbers 12345 and émoji 🎉"
+    assert tok.encode_plain(sample) == ref.encode_plain(sample)

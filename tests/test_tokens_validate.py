@@ -1,0 +1,120 @@
+import json
+
+import polars as pl
+import pytest
+
+from eagledata.chat import prompt_ids
+from eagledata.tokens import ResponsesFileError, build_token_shards, read_shards, sha256_file
+from eagledata.validate import ValidationFailed, summarize, write_validation
+
+MSGS = [{"role": "user", "content": "What is 2+3?"}]
+
+
+def _record(tok, rid, reasoning, content, billed_completion, billed_prompt, provider="P", finish="stop",
+            tool_calls=None, billed_reasoning=None, error=None):
+    msg = {"role": "assistant", "content": content, "reasoning": reasoning}
+    if tool_calls:
+        msg["tool_calls"] = tool_calls
+    body = {"id": f"gen-{rid}", "provider": provider, "model": "moonshotai/kimi-k2.5",
+            "choices": [{"index": 0, "finish_reason": finish, "message": msg}],
+            "usage": {"prompt_tokens": billed_prompt, "completion_tokens": billed_completion,
+                      "completion_tokens_details": {"reasoning_tokens": billed_reasoning or 0}}}
+    if error:
+        body = {"error": error}
+    return {"id": rid, "request": {"model": "moonshotai/kimi-k2.5", "messages": MSGS}, "status": 200,
+            "response_raw": json.dumps(body)}
+
+
+@pytest.fixture
+def synthetic(k25, tmp_path):
+    tok, fam = k25
+    sid = tok.special_id
+    n_prompt = len(prompt_ids(tok, MSGS))
+    r, c = " Two plus three.", " It is 5."
+    true_len = len(tok.encode_plain(r)) + 1 + len(tok.encode_plain(c)) + 1
+    n_r = len(tok.encode_plain(r))
+    recs = [
+        _record(tok, "exact", r, c, true_len, n_prompt, billed_reasoning=n_r + 1),
+        _record(tok, "exact2", r, c, true_len, n_prompt),
+        # provider stripped the leading space of content: our ids are one token short of the billed count? no:
+        # " It" vs "It" tokenize to the same count here, so build the real case: billed count of the true text + 1
+        _record(tok, "stripped", r.lstrip(), c.lstrip(), true_len + 1, n_prompt),
+        _record(tok, "rewritten", r, "", None, n_prompt, finish="tool_calls",
+                tool_calls=[{"id": "call_9x", "type": "function", "function": {"name": "add", "arguments": "{\"a\": 2}"}}]),
+        _record(tok, "literal", r, "say <|im_end|> now", len(tok.encode_plain(r)) + 1 + len(tok.encode_plain("say <|im_end|> now")) + 1, n_prompt),
+        _record(tok, "truncated", r, " It", len(tok.encode_plain(r)) + 1 + len(tok.encode_plain(" It")), n_prompt, finish="length"),
+        _record(tok, "error200", None, None, None, None, error={"code": 502, "message": "upstream"}),
+        _record(tok, "badreasoning", r, c, true_len, n_prompt, billed_reasoning=n_r + 5),
+        _record(tok, "badprompt", r, c, true_len, n_prompt + 3),
+    ]
+    # the rewritten-id sample's billed count is that of the native id the model really produced
+    native = (len(tok.encode_plain(r)) + 1 + 1 + 1 + len(tok.encode_plain("functions.add:0")) + 1
+              + len(tok.encode_plain("{\"a\": 2}")) + 1 + 1 + 1)
+    body = json.loads(recs[3]["response_raw"])
+    body["usage"]["completion_tokens"] = native
+    recs[3]["response_raw"] = json.dumps(body)
+    path = tmp_path / "responses.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in recs))
+    return path
+
+
+def test_verdicts_on_adversarial_samples(k25, synthetic, tmp_path):
+    tok, fam = k25
+    res = build_token_shards(synthetic, tmp_path / "tokens", tok, fam, "syn", shard_size=4)
+    df = read_shards(tmp_path / "tokens")
+    v = dict(zip(df["id"], df["verdict"]))
+    reasons = dict(zip(df["id"], df["reasons"].to_list()))
+    assert v["exact"] == v["exact2"] == "exact"
+    assert v["literal"] == "exact"
+    assert v["rewritten"] == "repaired" and "tool_id_rebuilt" in reasons["rewritten"]
+    assert v["stripped"] == "mismatch" and "completion_count_mismatch" in reasons["stripped"]
+    assert v["truncated"] == "mismatch" and "truncated" in reasons["truncated"]
+    assert v["error200"] == "error" and "error_in_body" in reasons["error200"]
+    assert "reasoning_count_mismatch" in reasons["badreasoning"]
+    assert "prompt_count_mismatch" in reasons["badprompt"]
+    assert dict(zip(df["id"], df["train"])) == {k: k in ("exact", "exact2", "literal", "rewritten") for k in v}
+    assert len(res.manifest["shards"]) == 3 and [s["rows"] for s in res.manifest["shards"]] == [4, 4, 1]
+    for s in res.manifest["shards"]:
+        assert sha256_file(tmp_path / "tokens" / s["file"]) == s["sha256"]
+    assert res.manifest["tokenizer_fingerprint"] == tok.fingerprint
+    row = df.filter(pl.col("id") == "exact").row(0, named=True)
+    assert row["input_ids"][: row["prompt_len"]] == prompt_ids(tok, MSGS)
+    assert row["input_ids"][-1] == tok.special_id("<|im_end|>")
+
+
+def test_validation_report_and_threshold(k25, synthetic, tmp_path):
+    tok, fam = k25
+    build_token_shards(synthetic, tmp_path / "tokens", tok, fam, "syn")
+    rep = summarize(tmp_path / "tokens", 1.0)
+    assert rep["counts"] == {"total": 9, "exact": 3, "repaired": 1, "mismatch": 4, "error": 1, "excluded": 5, "included": 4}
+    assert rep["reasons"]["truncated"]["ids"] == ["truncated"]
+    with pytest.raises(ValidationFailed, match="55.56%"):
+        write_validation(tmp_path / "tokens", tmp_path / "v.json", tmp_path / "v.txt", 0.10)
+    assert json.loads((tmp_path / "v.json").read_text())["passed"] is False
+    assert "FAILED" in (tmp_path / "v.txt").read_text()
+
+
+def test_conventions_learned_on_recorded(k2, recorded, tmp_path):
+    tok, fam = k2
+    path = tmp_path / "rec.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recorded))
+    res = build_token_shards(path, tmp_path / "tokens", tok, fam, "recorded", shard_size=100)
+    conv = {p: c["convention"] for p, c in res.manifest["conventions"].items()}
+    assert conv["DeepInfra"] == conv["SiliconFlow"] == "excludes_eot"
+    assert conv["Fireworks"] == conv["BaseTen"] == conv["Moonshot AI"] == "counts_eot"
+    rep = summarize(tmp_path / "tokens", 1.0)
+    assert rep["counts"]["total"] == len(recorded)
+    assert sum(rep["counts"][k] for k in ("exact", "repaired", "mismatch", "error")) == len(recorded)
+    print("\n" + json.dumps({p: {k: d[k] for k in ("total", "exact", "repaired", "convention", "completion_diff")}
+                              for p, d in rep["providers"].items()}, indent=1))
+
+
+def test_bad_responses_file_names_file_line_field(k25, tmp_path):
+    tok, fam = k25
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"request": {}, "response_raw": "{}"}\n{"request": {}}\n')
+    with pytest.raises(ResponsesFileError, match=r"r\.jsonl:2: field 'response_raw' is missing"):
+        build_token_shards(path, tmp_path / "t", tok, fam, "x")
+    path.write_text('{"request": {}, "response_raw": "{}"}\nnot json\n')
+    with pytest.raises(ResponsesFileError, match=r"r\.jsonl:2: not valid JSON"):
+        build_token_shards(path, tmp_path / "t", tok, fam, "x")
