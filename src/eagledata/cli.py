@@ -1,0 +1,78 @@
+"""Command line: ``eagledata explain SAMPLE_ID`` prints one sample's segments, ids, counts and verdict.
+
+Reads the token shards a pipeline run wrote (``{results_dir}/{dataset}/tokens``); it never calls an
+API. ``--dataset`` narrows the search; without it every dataset of the config is searched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import polars as pl
+
+from .checks import explain as explain_codes
+from .config import load_config, load_model_tokenizer
+
+
+def _find(config: dict, sample_id: str, dataset: str | None):
+    names = [dataset] if dataset else list(config["datasets"])
+    for name in names:
+        tokens = Path(config["results_dir"]) / name / "tokens"
+        if not (tokens / "manifest.json").exists():
+            continue
+        for shard in sorted(tokens.glob("shard-*.parquet")):
+            df = pl.read_parquet(shard).filter(pl.col("id") == sample_id)
+            if df.height:
+                return name, df.row(0, named=True)
+    return None, None
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    name, row = _find(config, args.sample_id, args.dataset)
+    if row is None:
+        print(f"eagledata: no sample {args.sample_id!r} in the token shards of "
+              f"{args.dataset or 'any dataset'} (run the pipeline first)", file=sys.stderr)
+        return 2
+    tok = load_model_tokenizer(config, config["datasets"][name]["model"])
+    ids = row["input_ids"]
+    completion = ids[row["prompt_len"]:]
+    print(f"sample {row['id']} (dataset {name}, provider {row['provider']}, finish {row['finish_reason']})")
+    print(f"verdict: {row['verdict']}")
+    for line in explain_codes(row["reasons"]):
+        print(f"  - {line}")
+    print(f"prompt tokens: ours {row['prompt_len']}, billed {row['billed_prompt']} (diff {row['prompt_diff']})")
+    print(f"completion tokens: ours {row['completion_len']}, billed {row['billed_completion']} "
+          f"(diff under provider convention {row['completion_diff']})")
+    print(f"reasoning tokens: ours {row['reasoning_len']}, billed {row['billed_reasoning']}")
+    rewrites = json.loads(row["tool_id_rewrites"] or "[]")
+    for r in rewrites:
+        print(f"tool call {r['call']}: provider id {r['original']!r} rebuilt as {r['rebuilt']!r}")
+    print("completion segments:")
+    for seg in json.loads(row["segments"]):
+        seg_ids = completion[seg["start"]:seg["end"]]
+        shown = seg_ids if len(seg_ids) <= args.max_ids else seg_ids[: args.max_ids] + ["..."]
+        label = tok.decode(seg_ids) if "text" not in seg else seg["text"]
+        text = label if len(label) <= 80 else label[:77] + "..."
+        print(f"  [{seg['start']:>5}:{seg['end']:<5}] {seg['kind']:<20} {text!r} {shown}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="eagledata", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    ex = sub.add_parser("explain", help="print one sample's segments, ids, counts and verdict")
+    ex.add_argument("sample_id")
+    ex.add_argument("--dataset")
+    ex.add_argument("--config", default="config/config.yaml")
+    ex.add_argument("--max-ids", type=int, default=12, help="ids shown per segment")
+    ex.set_defaults(func=cmd_explain)
+    args = ap.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

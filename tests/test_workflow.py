@@ -1,0 +1,169 @@
+"""Real Snakemake runs of the workflow, in a copy of the repository under a temp dir."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+COPY = ["Snakefile", "rules", "scripts", "config", "src", "profiles", "envs"]
+
+pytestmark = pytest.mark.workflow
+
+
+def _copy_repo(dest: Path) -> Path:
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in COPY:
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, symlinks=True,
+                            ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        else:
+            shutil.copy2(src, dest / name)
+    return dest
+
+
+def snakemake(workdir: Path, *args: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "snakemake", "--cores", "2", *args]
+    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=900)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def planned_jobs(workdir: Path, *args: str, env: dict | None = None) -> dict[str, int]:
+    """Rule -> job count that a dry run would execute."""
+    out = snakemake(workdir, "-n", *args, env=env)
+    text = out.stdout + out.stderr
+    if "Nothing to be done" in text:
+        return {}
+    table = re.search(r"Job stats:\n(.*?)\n\n", text, re.S)
+    assert table, text[-3000:]
+    jobs = {}
+    for line in table.group(1).splitlines()[2:]:
+        parts = line.split()
+        if len(parts) == 2 and parts[1].isdigit() and parts[0] != "total":
+            jobs[parts[0]] = int(parts[1])
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    work = _copy_repo(tmp_path_factory.mktemp("demo"))
+    snakemake(work, "all")
+    return work
+
+
+def _lines(path: Path) -> int:
+    return sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
+
+
+def test_demo_runs_end_to_end(demo_run):
+    work = demo_run
+    config = yaml.safe_load((work / "config/config.yaml").read_text())
+    for name, ds in config["datasets"].items():
+        n_prompts = _lines(work / ds["prompts"])
+        report = json.loads((work / f"results/{name}/validation.json").read_text())
+        assert report["counts"]["total"] == n_prompts
+        assert report["passed"]
+        assert report["counts"]["exact"] + report["counts"]["repaired"] >= 0.9 * n_prompts
+        hidden = json.loads((work / f"results/{name}/hidden/manifest.json").read_text())
+        tokens = json.loads((work / f"results/{name}/tokens/manifest.json").read_text())
+        assert hidden["tokenizer_fingerprint"] == tokens["tokenizer_fingerprint"]
+        assert hidden["samples"] == report["counts"]["included"]
+        assert (work / f"results/{name}/validation.txt").read_text().startswith(f"dataset {name}:")
+    assert planned_jobs(work) == {}
+
+
+def test_one_dataset_target_builds_only_that_dataset(tmp_path):
+    work = _copy_repo(tmp_path / "w")
+    jobs = planned_jobs(work, "chat")
+    assert jobs.get("generate") == 1 and jobs.get("tokens") == 1 and jobs.get("extract") == 1
+    assert "chat" in jobs
+
+
+@pytest.fixture
+def paid_setup(tmp_path):
+    """A workflow whose datasets use backend openrouter, pointed at a local stand-in over loopback."""
+    from eagledata.demo_tokenizer import build_demo_tokenizer, default_corpus_path
+    from eagledata.families import get_family
+    from eagledata.simulator import SimulatorServer
+    from eagledata.tokenizer import load_tokenizer
+
+    work = _copy_repo(tmp_path / "w")
+    tok_dir = tmp_path / "tok"
+    build_demo_tokenizer(default_corpus_path(), tok_dir)
+    fam = get_family("kimi-k2.5")
+    tok = load_tokenizer(tok_dir, fam)
+    prompts = {}
+    for name in ("a", "b"):
+        p = work / f"data/{name}.jsonl"
+        p.parent.mkdir(exist_ok=True)
+        p.write_text("".join(json.dumps({"id": f"{name}{i}", "messages": [{"role": "user", "content": f"Question {i} for {name}?"}]}) + "\n"
+                             for i in range(3)))
+        prompts[name] = p
+    with SimulatorServer(tok, fam, seed=3) as server:
+        config = {
+            "budget_usd": 1.0,
+            "models": {"m": {"family": "kimi-k2.5", "tokenizer": str(tok_dir), "api_model": "moonshotai/kimi-k2.5"}},
+            "generation": {"api_base": server.base_url, "max_tokens": 4096, "concurrency": 4, "backoff_base_s": 0.01},
+            "extraction": {"enabled": False},
+            "datasets": {n: {"prompts": f"data/{n}.jsonl", "model": "m", "backend": "openrouter"} for n in ("a", "b")},
+        }
+        (work / "config/config.yaml").write_text(yaml.safe_dump(config))
+        yield work, server, tok_dir, prompts
+
+
+KEY = "sk-or-v1-test-secret-0123456789abcdef"
+
+
+def _requests(server) -> int:
+    return sum(server.request_counts.values())
+
+
+def test_rerun_rules_never_regenerate_paid_responses(paid_setup):
+    work, server, tok_dir, prompts = paid_setup
+    env = {"OPENROUTER_API_KEY": KEY}
+    snakemake(work, "all", env=env)
+    assert _requests(server) == 6
+
+    # changed reconstruction code: tokens and downstream rerun, generation does not
+    with open(work / "src/eagledata/reconstruct.py", "a") as fh:
+        fh.write("\n# changed\n")
+    jobs = planned_jobs(work, env=env)
+    assert "generate" not in jobs and jobs["tokens"] == 2 and jobs["validate"] == 2
+    snakemake(work, "all", env=env)
+
+    # changed tokenizer (its chat template): same
+    with open(tok_dir / "chat_template.jinja", "a") as fh:
+        fh.write("{# changed #}")
+    jobs = planned_jobs(work, env=env)
+    assert "generate" not in jobs and jobs["tokens"] == 2
+    snakemake(work, "all", env=env)
+    assert _requests(server) == 6
+
+    # a new prompt in dataset a: only a regenerates, and only the new prompt is requested
+    with open(prompts["a"], "a") as fh:
+        fh.write(json.dumps({"id": "a-new", "messages": [{"role": "user", "content": "One more?"}]}) + "\n")
+    jobs = planned_jobs(work, env=env)
+    assert jobs["generate"] == 1 and jobs["tokens"] == 1
+    snakemake(work, "all", env=env)
+    assert _requests(server) == 7
+    assert _lines(work / "results/a/responses.jsonl") == 4
+
+    # the key never lands in any file the pipeline wrote
+    for path in work.rglob("*"):
+        if path.is_file():
+            assert KEY.encode() not in path.read_bytes(), path
+
+
+def test_lint_is_clean():
+    out = subprocess.run([sys.executable, "-m", "snakemake", "--lint"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
