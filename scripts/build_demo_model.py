@@ -1,0 +1,23 @@
+"""Snakemake entry for rule demo_model: the tiny random DeepseekV3 used by the embedded demo.
+
+Plumbing only; the logic is eagledata.demo_model.build_demo_model.
+"""
+
+import logging
+
+from eagledata.demo_model import build_demo_model
+from eagledata.families import get_family
+from eagledata.tokenizer import load_tokenizer
+
+smk = snakemake  # noqa: F821  (injected by Snakemake)
+logging.basicConfig(filename=smk.log[0], level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+log = logging.getLogger("eagledata.scripts.build_demo_model")
+
+try:
+    tok = load_tokenizer(smk.input.tokenizer, get_family("kimi-k2.5"))
+    seed = int(getattr(smk.params, "seed", 0))
+    out = build_demo_model(smk.output[0], tok.vocab_size, seed=seed)
+    log.info("built demo model at %s (vocabulary %d, seed %d)", out, tok.vocab_size, seed)
+except Exception:
+    log.exception("demo model build failed")
+    raise

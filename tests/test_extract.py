@@ -1,0 +1,373 @@
+"""Hidden-state extraction (eagledata.extract) and the tiny demo model (eagledata.demo_model).
+
+The layer-index tests compare against forward hooks on every decoder layer of the real
+transformers DeepseekV3 class (random weights), because an off-by-one there silently trains a
+drafter on the wrong layer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from eagledata import extract as ex
+from eagledata.demo_model import build_demo_model, demo_config
+
+VOCAB = 512
+SCHEMA = {
+    "id": pl.Utf8,
+    "input_ids": pl.List(pl.Int64),
+    "prompt_len": pl.Int32,
+    "completion_len": pl.Int32,
+    "train": pl.Boolean,
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads():
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory) -> Path:
+    return build_demo_model(tmp_path_factory.mktemp("demo") / "model", VOCAB, seed=0)
+
+
+@pytest.fixture(scope="module")
+def model(weights):
+    return ex.load_model(weights, device="cpu")
+
+
+def make_rows(seed: int, n: int, prefix: str) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    rows = []
+    for k in range(n):
+        t = int(rng.integers(3, 90))
+        p = int(rng.integers(1, t))
+        rows.append({
+            "id": f"{prefix}-{k}",
+            "input_ids": rng.integers(0, VOCAB, t).tolist(),
+            "prompt_len": p,
+            "completion_len": t - p,
+            "train": k % 4 != 2,
+        })
+    return rows
+
+
+def write_tokens(d: Path, shards: list[list[dict]], fingerprint: str = "tokfp-123") -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for i, rows in enumerate(shards):
+        name = f"shard-{i:05d}.parquet"
+        pl.DataFrame(rows, schema=SCHEMA).write_parquet(d / name)
+        entries.append({"file": name, "rows": len(rows), "sha256": hashlib.sha256((d / name).read_bytes()).hexdigest()})
+    (d / "manifest.json").write_text(json.dumps({"dataset": "t", "tokenizer_fingerprint": fingerprint, "shards": entries}))
+    return d
+
+
+@pytest.fixture(scope="module")
+def token_rows():
+    return [make_rows(1, 14, "a"), make_rows(2, 9, "b")]
+
+
+@pytest.fixture(scope="module")
+def fp32_out(tmp_path_factory, weights, model, token_rows):
+    root = tmp_path_factory.mktemp("fp32")
+    tokens = write_tokens(root / "tokens", token_rows)
+    manifest = ex.extract_dataset(tokens, root / "hidden", weights, dtype="float32", device="cpu",
+                                  batch_tokens=200, model=model)
+    return root, manifest
+
+
+# --------------------------------------------------------------------------- layer semantics
+
+
+def test_default_layers():
+    assert ex.default_layers(61) == [1, 29, 57]
+    assert ex.default_layers(8) == [1, 3, 4]
+    with pytest.raises(ex.ExtractionError):
+        ex.default_layers(4)
+    with pytest.raises(ex.ExtractionError):
+        ex.resolve_layers([1, 8], 8)
+    with pytest.raises(ex.ExtractionError):
+        ex.resolve_layers([2, 2], 8)
+
+
+def _hook_outputs(decoder, ids):
+    outs = {}
+    handles = [
+        layer.register_forward_hook(lambda _m, _a, o, i=i: outs.__setitem__(i, o[0] if isinstance(o, tuple) else o))
+        for i, layer in enumerate(decoder.layers)
+    ]
+    try:
+        with torch.no_grad():
+            res = decoder.module(input_ids=ids, output_hidden_states=True, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return outs, res
+
+
+def test_layer_indices_match_forward_hooks_for_every_layer(model):
+    dec = ex.find_decoder(model)
+    L = dec.num_layers
+    assert L == 8 and len(dec.layers) == L
+    ids = torch.randint(0, VOCAB, (2, 33), generator=torch.Generator().manual_seed(0))
+    hooks, res = _hook_outputs(dec, ids)
+    hs = res.hidden_states
+    assert len(hs) == L + 1
+    for i in range(L - 1):  # HF hidden_states[i + 1] == output of layer i
+        torch.testing.assert_close(hs[i + 1], hooks[i], rtol=0, atol=0)
+        if i + 2 <= L - 1:
+            assert not torch.allclose(hs[i + 2], hooks[i])  # the neighbour differs: an off-by-one would show
+    # the last entry is the final norm's output, not the last layer's raw output
+    torch.testing.assert_close(hs[-1], dec.norm(hooks[L - 1]), rtol=0, atol=0)
+    torch.testing.assert_close(hs[-1], res.last_hidden_state, rtol=0, atol=0)
+    assert not torch.allclose(hs[-1], hooks[L - 1], atol=1e-3)
+
+    # our capture, asking for EVERY layer, against the hooks
+    aux, final = ex.forward_hidden(dec, ids, None, list(range(L)), "after")
+    assert aux.shape == (2, 33, L, dec.hidden_size)
+    for i in range(L):
+        torch.testing.assert_close(aux[:, :, i], hooks[i], rtol=0, atol=0)
+    torch.testing.assert_close(final, hs[-1], rtol=0, atol=0)
+    _, before = ex.forward_hidden(dec, ids, None, [1], "before")
+    torch.testing.assert_close(before, hooks[L - 1], rtol=0, atol=0)
+
+    # the defaults are the outputs of layers [1, 3, 4] = HF hidden_states[2], [4], [5]
+    aux_d, _ = ex.forward_hidden(dec, ids, None, ex.default_layers(L), "after")
+    for j, i in enumerate([1, 3, 4]):
+        torch.testing.assert_close(aux_d[:, :, j], hs[i + 1], rtol=0, atol=0)
+
+
+def test_plan_batches_budget_and_cover():
+    lengths = [5, 50, 7, 300, 49, 1, 51, 8]
+    batches = ex.plan_batches(lengths, 100)
+    assert sorted(k for b in batches for k in b) == list(range(len(lengths)))
+    for b in batches:
+        assert len(b) == 1 or len(b) * max(lengths[k] for k in b) <= 100
+    assert [3] in batches  # longer than the budget: alone
+
+
+# --------------------------------------------------------------------------- shard contents
+
+
+def test_shard_contents(fp32_out, token_rows, weights):
+    root, manifest = fp32_out
+    tokens_manifest = json.loads((root / "tokens" / "manifest.json").read_text())
+    assert [s["file"] for s in manifest["shards"]] == ["shard-00000.safetensors", "shard-00001.safetensors"]
+    total_tokens = total_samples = 0
+    for rows, entry, tentry in zip(token_rows, manifest["shards"], tokens_manifest["shards"]):
+        path = root / "hidden" / entry["file"]
+        t = load_file(path)
+        train = [r for r in rows if r["train"]]
+        lens = [len(r["input_ids"]) for r in train]
+        n = sum(lens)
+        assert t["input_ids"].dtype == torch.int64
+        assert t["input_ids"].tolist() == [i for r in train for i in r["input_ids"]]
+        assert t["sample_offsets"].tolist() == np.concatenate([[0], np.cumsum(lens)]).tolist()
+        assert t["loss_mask"].dtype == torch.int8
+        want_mask = [int(j >= r["prompt_len"]) for r in train for j in range(len(r["input_ids"]))]
+        assert t["loss_mask"].tolist() == want_mask
+        assert t["aux_hidden_states"].shape == (n, 3, 64) and t["aux_hidden_states"].dtype == torch.float32
+        assert t["hidden_state"].shape == (n, 64)
+        with safe_open(path, "pt") as f:
+            meta = f.metadata()
+        assert json.loads(meta["sample_ids"]) == [r["id"] for r in train]
+        assert json.loads(meta["layers"]) == [1, 3, 4]
+        assert meta["final_norm"] == "after" and "final norm" in meta["layer_semantics"]
+        assert "output_hidden_states[2, 4, 5]" in meta["layer_semantics"]
+        assert meta["dtype"] == "float32"
+        assert meta["tokenizer_fingerprint"] == "tokfp-123"
+        assert meta["source_sha256"] == tentry["sha256"]
+        assert meta["model_path"] == str(weights)
+        assert entry["tokens"] == n and entry["samples"] == len(train)
+        total_tokens += n
+        total_samples += len(train)
+    assert manifest["tokens"] == total_tokens and manifest["samples"] == total_samples
+    assert manifest["hidden_size"] == 64 and manifest["layers"] == [1, 3, 4]
+    assert manifest["final_norm"] == "after" and manifest["dtype"] == "float32"
+    assert manifest["tokenizer_fingerprint"] == "tokfp-123"
+    assert json.loads((root / "hidden" / "manifest.json").read_text()) == manifest
+
+
+def test_batched_equals_single_sample_forward(fp32_out, token_rows, model):
+    """Every sample of the batched (padded, length-grouped) extraction equals a direct forward of
+    that sample alone."""
+    root, _ = fp32_out
+    dec = ex.find_decoder(model)
+    t = load_file(root / "hidden" / "shard-00000.safetensors")
+    off = t["sample_offsets"].tolist()
+    train = [r for r in token_rows[0] if r["train"]]
+    assert len(ex.plan_batches([len(r["input_ids"]) for r in train], 200)) < len(train)  # really batched
+    for k, r in enumerate(train):
+        ids = torch.tensor([r["input_ids"]])
+        aux, final = ex.forward_hidden(dec, ids, None, [1, 3, 4], "after")
+        torch.testing.assert_close(t["aux_hidden_states"][off[k]:off[k + 1]], aux[0], rtol=1e-5, atol=2e-6)
+        torch.testing.assert_close(t["hidden_state"][off[k]:off[k + 1]], final[0], rtol=1e-5, atol=2e-6)
+
+
+def test_bf16_paths(tmp_path, fp32_out, token_rows, weights, model):
+    root, _ = fp32_out
+    ref = load_file(root / "hidden" / "shard-00001.safetensors")
+    tokens = write_tokens(tmp_path / "tokens", [token_rows[1]])
+    # storage bf16, compute in the checkpoint's fp32: exactly the fp32 result rounded to bf16
+    ex.extract_dataset(tokens, tmp_path / "h1", weights, dtype="bfloat16", device="cpu", batch_tokens=200, model=model)
+    got = load_file(tmp_path / "h1" / "shard-00000.safetensors")
+    assert got["aux_hidden_states"].dtype == torch.bfloat16 and got["hidden_state"].dtype == torch.bfloat16
+    torch.testing.assert_close(got["aux_hidden_states"], ref["aux_hidden_states"].to(torch.bfloat16), rtol=0, atol=0)
+    torch.testing.assert_close(got["hidden_state"], ref["hidden_state"].to(torch.bfloat16), rtol=0, atol=0)
+    # model run in bf16 (as on a GPU): close to fp32, not equal
+    ex.extract_dataset(tokens, tmp_path / "h2", weights, dtype="bfloat16", device="cpu", batch_tokens=200,
+                       compute_dtype="bfloat16")
+    got2 = load_file(tmp_path / "h2" / "shard-00000.safetensors")
+    for key in ("aux_hidden_states", "hidden_state"):
+        a, b = got2[key].float(), ref[key]
+        assert got2[key].dtype == torch.bfloat16
+        assert torch.isfinite(a).all()
+        assert ((a - b).norm() / b.norm()).item() < 0.05
+    with safe_open(tmp_path / "h2" / "shard-00000.safetensors", "pt") as f:
+        assert f.metadata()["dtype"] == "bfloat16" and f.metadata()["compute_dtype"] == "bfloat16"
+
+
+def test_final_norm_before(tmp_path, token_rows, weights, model):
+    tokens = write_tokens(tmp_path / "tokens", [token_rows[1][:4]])
+    ex.extract_dataset(tokens, tmp_path / "h", weights, final_norm="before", dtype="float32", device="cpu", model=model)
+    path = tmp_path / "h" / "shard-00000.safetensors"
+    t = load_file(path)
+    dec = ex.find_decoder(model)
+    r = [r for r in token_rows[1][:4] if r["train"]][0]
+    hooks, _ = _hook_outputs(dec, torch.tensor([r["input_ids"]]))
+    n = len(r["input_ids"])
+    torch.testing.assert_close(t["hidden_state"][:n], hooks[dec.num_layers - 1][0], rtol=1e-5, atol=2e-6)
+    with safe_open(path, "pt") as f:
+        assert f.metadata()["final_norm"] == "before" and "BEFORE the final norm" in f.metadata()["layer_semantics"]
+
+
+# --------------------------------------------------------------------------- resume, integrity
+
+
+def test_resume_skips_finished_shards(tmp_path, token_rows, weights, model, monkeypatch):
+    tokens = write_tokens(tmp_path / "tokens", token_rows)
+    out = tmp_path / "hidden"
+    first = ex.extract_dataset(tokens, out, weights, dtype="float32", device="cpu", model=model)
+    files = sorted(out.glob("*.safetensors"))
+    assert len(files) == 2
+    mtimes = {p.name: p.stat().st_mtime_ns for p in files}
+    (out / "stray.safetensors").write_bytes(b"junk")
+
+    def boom(*a, **k):
+        raise AssertionError("model loaded although every shard was done")
+
+    monkeypatch.setattr(ex, "load_model", boom)
+    monkeypatch.setattr(ex, "extract_shard", boom)
+    again = ex.extract_dataset(tokens, out, weights, dtype="float32", device="cpu")
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.safetensors")} == mtimes
+    assert again["tokens"] == first["tokens"] and all(s.get("resumed") for s in again["shards"])
+    monkeypatch.undo()
+
+    # a changed setting (dtype) or a truncated file is not "done"
+    with open(files[1], "r+b") as fh:
+        fh.truncate(files[1].stat().st_size - 10)
+    ex.extract_dataset(tokens, out, weights, dtype="float32", device="cpu", model=model)
+    assert files[0].stat().st_mtime_ns == mtimes[files[0].name]
+    assert files[1].stat().st_mtime_ns != mtimes[files[1].name]
+    ex.extract_dataset(tokens, out, weights, dtype="float16", device="cpu", model=model)
+    assert files[0].stat().st_mtime_ns != mtimes[files[0].name]
+    assert load_file(files[0])["hidden_state"].dtype == torch.float16
+
+
+def test_work_dir_published(tmp_path, token_rows, weights, model):
+    tokens = write_tokens(tmp_path / "tokens", [token_rows[1][:3]])
+    out, work = tmp_path / "hidden", tmp_path / ".hidden.partial"
+    ex.extract_dataset(tokens, out, weights, dtype="float32", device="cpu", work_dir=work, model=model)
+    assert not work.exists() and (out / "manifest.json").exists() and (out / "shard-00000.safetensors").exists()
+
+
+def test_sha256_mismatch_raises_naming_file(tmp_path, token_rows, weights, monkeypatch):
+    tokens = write_tokens(tmp_path / "tokens", token_rows)
+    pl.DataFrame(token_rows[1][:2], schema=SCHEMA).write_parquet(tokens / "shard-00001.parquet")
+    monkeypatch.setattr(ex, "load_model", lambda *a, **k: pytest.fail("model loaded before verification"))
+    with pytest.raises(ex.ExtractionError, match=r"sha256 mismatch.*shard-00001\.parquet"):
+        ex.extract_dataset(tokens, tmp_path / "hidden", weights, device="cpu")
+    assert not list((tmp_path / "hidden").glob("*.safetensors"))
+
+
+def test_bad_rows_rejected(tmp_path, token_rows, weights, model):
+    rows = [dict(r) for r in token_rows[1][:3]]
+    rows[0]["completion_len"] += 1
+    tokens = write_tokens(tmp_path / "tokens", [rows])
+    with pytest.raises(ex.ExtractionError, match="completion_len"):
+        ex.extract_dataset(tokens, tmp_path / "h", weights, device="cpu", model=model)
+    rows = [dict(r) for r in token_rows[1][:3]]
+    rows[1]["input_ids"] = rows[1]["input_ids"][:-1] + [VOCAB]
+    tokens = write_tokens(tmp_path / "tokens2", [rows])
+    with pytest.raises(ex.ExtractionError, match="outside"):
+        ex.extract_dataset(tokens, tmp_path / "h2", weights, device="cpu", model=model)
+    assert not list((tmp_path / "h2").glob("*.safetensors*"))
+
+
+# --------------------------------------------------------------------------- demo model
+
+
+def test_demo_model_deterministic(tmp_path, weights):
+    from transformers import DeepseekV3Config
+
+    cfg = demo_config(VOCAB, 0)
+    assert isinstance(cfg, DeepseekV3Config)
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.n_routed_experts) == (8, 64, 8)
+    assert 0 < cfg.first_k_dense_replace < cfg.num_hidden_layers
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    again = build_demo_model(tmp_path / "again", VOCAB, seed=0)
+    assert torch.equal(torch.get_rng_state(), state)  # caller's RNG untouched
+    names = sorted(p.name for p in weights.iterdir())
+    assert "model.safetensors" in names and "README.md" in names
+    assert sorted(p.name for p in again.iterdir()) == names
+    for name in names:
+        assert (weights / name).read_bytes() == (again / name).read_bytes(), name
+    assert "random" in (weights / "README.md").read_text().lower()
+    other = build_demo_model(tmp_path / "other", VOCAB, seed=1)
+    assert (other / "model.safetensors").read_bytes() != (weights / "model.safetensors").read_bytes()
+    t = load_file(weights / "model.safetensors")
+    assert any("experts" in k for k in t) and all(v.dtype == torch.float32 for v in t.values())
+
+
+def test_empty_selection_and_missing_weights(tmp_path, token_rows, weights, model):
+    rows = [dict(r, train=False) for r in token_rows[1][:3]]
+    tokens = write_tokens(tmp_path / "tokens", [rows])
+    m = ex.extract_dataset(tokens, tmp_path / "h", weights, dtype="float32", device="cpu", model=model)
+    t = load_file(tmp_path / "h" / "shard-00000.safetensors")
+    assert m["tokens"] == 0 and t["aux_hidden_states"].shape == (0, 3, 64) and t["sample_offsets"].tolist() == [0]
+    with pytest.raises(ex.ExtractionError, match="config.json"):
+        ex.extract_dataset(tokens, tmp_path / "h2", tmp_path / "no-such-model", device="cpu")
+
+
+def test_claim_gpus_flock(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "")
+    n_held = len(ex._HELD_LOCKS)
+    try:
+        assert ex.claim_gpus(0, tmp_path) == []
+        assert ex.claim_gpus(1, tmp_path, candidates=["3", "5"]) == ["3"]
+        assert ex.claim_gpus(1, tmp_path, candidates=["3", "5"]) == ["5"]  # 3 is held
+        assert __import__("os").environ["CUDA_VISIBLE_DEVICES"] == "5"
+        with pytest.raises(ex.ExtractionError, match="could not claim"):
+            ex.claim_gpus(1, tmp_path, candidates=["3", "5"], timeout_s=0, poll_s=0)
+        with pytest.raises(ex.ExtractionError, match="only 2 visible"):
+            ex.claim_gpus(3, tmp_path, candidates=["3", "5"])
+    finally:
+        for fh in ex._HELD_LOCKS[n_held:]:
+            fh.close()
+        del ex._HELD_LOCKS[n_held:]
