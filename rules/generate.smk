@@ -1,0 +1,44 @@
+# Responses for every dataset: generated (rule generate) or imported (rule import_responses).
+# Paid responses live in the resumable cache {cache_dir}/{dataset}/responses.jsonl, which is NOT an
+# output: a failed or killed job keeps them, and a rerun requests only what is missing. The input
+# and params functions are methods of eagledata.generate.GenerateRuleInputs (bound to config).
+from eagledata.generate import GenerateRuleInputs
+
+generate_inputs = GenerateRuleInputs(config, tokenizer_input)
+
+
+rule generate:
+    """Send every prompt (x samples) to the dataset's backend; exact bodies, resumable cache."""
+    input:
+        prompts=generate_inputs.prompts,
+        tokenizer=generate_inputs.tokenizer,
+    output:
+        f"{RESULTS}/{{dataset}}/responses.jsonl",
+    params:
+        # output-shaping settings only: changing one reruns the rule, and the cache makes that
+        # rerun request only the samples whose request body changed
+        request=generate_inputs.request,
+    wildcard_constraints:
+        dataset=regex_of(GENERATED_DATASETS),
+    log:
+        "logs/{dataset}/generate.log",
+    conda:
+        "../envs/core.yaml"
+    script:
+        "../scripts/generate.py"
+
+
+rule import_responses:
+    """Validate and copy an existing responses file (recorded format) as the dataset's responses."""
+    input:
+        generate_inputs.imported,
+    output:
+        f"{RESULTS}/{{dataset}}/responses.jsonl",
+    wildcard_constraints:
+        dataset=regex_of(IMPORTED_DATASETS),
+    log:
+        "logs/{dataset}/import_responses.log",
+    conda:
+        "../envs/core.yaml"
+    script:
+        "../scripts/import_responses.py"

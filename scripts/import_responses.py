@@ -1,0 +1,22 @@
+"""Snakemake entry for rule `import_responses` (plumbing only; logic in eagledata.generate)."""
+import json
+import sys
+
+from eagledata.config import dataset_settings
+from eagledata.generate import ResponsesFileError, import_responses
+
+sm = snakemake  # noqa: F821 - injected by Snakemake
+with open(sm.log[0], "a", encoding="utf-8") as log_fh:
+
+    def log(message: str) -> None:
+        log_fh.write(message + "\n")
+        log_fh.flush()
+
+    try:
+        ds = dataset_settings(sm.config, sm.wildcards.dataset)
+        summary = import_responses(sm.input[0], ds.name, sm.output[0], log=log)
+        log("summary: " + json.dumps(summary))
+    except ResponsesFileError as exc:
+        log(f"ERROR: {exc}")
+        print(f"import_responses {sm.wildcards.dataset}: {exc}", file=sys.stderr)
+        sys.exit(1)
