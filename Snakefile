@@ -5,7 +5,12 @@ from snakemake.utils import min_version, validate
 min_version("9.0")
 
 
-configfile: "config/config.yaml"
+# The embedded demo config applies only when no --configfile is given: Snakemake would otherwise
+# deep-merge a real config into the demo's datasets.
+if not config:
+
+    configfile: "config/config.yaml"
+
 
 
 validate(config, "config/schema.yaml")
