@@ -57,6 +57,10 @@ REASONS: dict[str, tuple[str, str]] = {
     "tool_markup_in_content": ("repair", "tool calls came as raw markup inside content and were moved to the tool section"),
     "tool_markup_in_reasoning": ("repair", "tool calls came as raw markup inside reasoning and were moved to the tool section"),
     "reasoning_in_content": ("repair", "reasoning came inside content between think tags and was split out"),
+    "whitespace_restored": ("repair", "the provider stripped a leading space; restoring it is the unique candidate matching the billed counts"),
+    "tool_arguments_respaced": ("repair", "the provider re-serialized tool arguments as compact JSON; the model's spacing is the unique candidate matching the billed counts"),
+    "repair_ambiguous": ("block", "more than one repair candidate matches the billed counts: the ids cannot be singled out"),
+    "whitespace_ambiguous": ("block", "this provider strips leading spaces and the counts match with and without one: the ids cannot be singled out"),
     "tool_id_index_unexpected": ("info", "a native tool-call id's index differs from the conversation-wide count"),
     "reasoning_count_unreported": ("info", "the provider reports 0 reasoning tokens for a response with reasoning"),
 }
@@ -164,27 +168,47 @@ def sample_stats(sample: Sample, tokenizer: Tokenizer, family: ModelFamily) -> S
 
 
 def learn_conventions(stats: Iterable[SampleStats]) -> dict[str, dict]:
-    """Per provider: which known convention its billed completion counts follow.
+    """Per provider, and per provider and finish reason: which known convention its billed
+    completion counts follow.
 
     Only samples ending in end-of-turn tell the conventions apart; the convention with more exact
-    agreements wins (``counts_eot`` on a tie); a provider none of whose samples agree under either
-    is ``unknown``."""
+    agreements wins (``counts_eot`` on a tie); a group none of whose samples agree under either is
+    ``unknown``. Serving stacks may count differently after a tool-call section than after plain
+    text, so each finish reason gets its own convention when its samples support one; it falls
+    back to the provider's overall convention otherwise. Only the two known conventions are ever
+    accepted, never an offset."""
     support: dict[str, Counter] = {}
+    by_finish: dict[tuple[str, str], Counter] = {}
     for s in stats:
         c = support.setdefault(s.provider, Counter())
+        f = by_finish.setdefault((s.provider, s.finish_reason or ""), Counter())
         if not s.has_eot or s.billed_completion is None or any(REASONS[k][0] == "error" for k in s.codes):
             continue
         for conv in CONVENTIONS:
             if s.completion_diff(conv) == 0:
                 c[conv] += 1
-    out = {}
+                f[conv] += 1
+    out: dict[str, dict] = {}
     for provider, c in support.items():
-        if not c:
-            out[provider] = {"convention": "unknown", "support": {}}
-            continue
-        conv = max(CONVENTIONS, key=lambda k: (c[k], k == COUNTS_EOT))
-        out[provider] = {"convention": conv, "support": dict(c)}
+        out[provider] = {"convention": _pick(c), "support": dict(c), "by_finish": {}}
+    for (provider, finish), c in by_finish.items():
+        if c:
+            out[provider]["by_finish"][finish] = {"convention": _pick(c), "support": dict(c)}
     return out
+
+
+def _pick(c: Counter) -> str:
+    if not c:
+        return "unknown"
+    return max(CONVENTIONS, key=lambda k: (c[k], k == COUNTS_EOT))
+
+
+def convention_for(conventions: Mapping[str, Mapping], provider: str, finish_reason: str | None) -> str:
+    """The convention a sample is judged under: its (provider, finish reason) group's, else the
+    provider's."""
+    p = conventions.get(provider) or {}
+    group = (p.get("by_finish") or {}).get(finish_reason or "")
+    return group["convention"] if group else p.get("convention", "unknown")
 
 
 def verdict(stats: SampleStats, convention: str) -> tuple[str, list[str]]:
@@ -205,15 +229,33 @@ def verdict(stats: SampleStats, convention: str) -> tuple[str, list[str]]:
             codes.append("reasoning_count_mismatch")
     if stats.prompt_diff not in (None, 0):
         codes.append("prompt_count_mismatch")
+    return verdict_of(codes), codes
+
+
+def verdict_of(codes: list[str]) -> str:
     if _has(codes, "error"):
-        v = "error"
-    elif _has(codes, "block"):
-        v = "mismatch"
-    elif _has(codes, "repair"):
-        v = "repaired"
-    else:
-        v = "exact"
-    return v, codes
+        return "error"
+    if _has(codes, "block"):
+        return "mismatch"
+    if _has(codes, "repair"):
+        return "repaired"
+    return "exact"
+
+
+COUNT_CODES = frozenset({"completion_count_mismatch", "reasoning_count_mismatch"})
+
+
+def repairable(codes: list[str]) -> bool:
+    """A completion whose only blocking reasons are completion count differences (a repair may
+    explain them). A prompt count mismatch is judged separately: it keeps the sample a mismatch
+    either way, but the completion ids can still be repaired."""
+    blocking = {c for c in codes if REASONS[c][0] in ("block", "error")} - {"prompt_count_mismatch"}
+    return bool(blocking) and blocking <= COUNT_CODES
+
+
+def completion_verified(codes: list[str]) -> bool:
+    """Every completion-side check passes (the prompt may still differ)."""
+    return not ({c for c in codes if REASONS[c][0] in ("block", "error")} - {"prompt_count_mismatch"})
 
 
 def _has(codes: list[str], severity: str) -> bool:

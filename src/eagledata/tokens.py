@@ -18,13 +18,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 import polars as pl
 
-from .checks import POLICIES, SampleStats, learn_conventions, sample_stats, verdict
+from .checks import (COUNT_CODES, POLICIES, REASONS, SampleStats, convention_for, learn_conventions, repairable,
+                     sample_stats, verdict, verdict_of)
+from .repairs import (WHITESPACE_CONTENT, WHITESPACE_REASONING, RepairResult, applicable_transforms,
+                      parsed_from_segments, search_repairs)
 from .families import ModelFamily
 from .samples import record_id, tokenize_record
 from .tokenizer import Tokenizer
@@ -125,30 +129,46 @@ def build_token_shards(
         flush()
 
     conventions = learn_conventions(all_stats)
+    judged = _judge(out, shard_files, all_stats, conventions, tokenizer, family)
     shards_meta = []
     i = 0
     for name in shard_files:
         df = pl.read_parquet(out / name)
-        extra: dict[str, list] = {"completion_diff": [], "prompt_diff": [], "verdict": [], "reasons": [], "train": []}
-        for _ in range(df.height):
-            st = all_stats[i]
-            conv = conventions[st.provider]["convention"]
-            v, reasons = verdict(st, conv)
-            extra["completion_diff"].append(st.completion_diff(conv if conv != "unknown" else "counts_eot"))
-            extra["prompt_diff"].append(st.prompt_diff)
-            extra["verdict"].append(v)
-            extra["reasons"].append(reasons)
-            extra["train"].append(v in admitted)
+        cols: dict[str, list] = {k: [] for k in ("completion_diff", "prompt_diff", "verdict", "reasons", "train", "repair")}
+        input_ids = df["input_ids"].to_list()
+        segments = df["segments"].to_list()
+        completion_len = df["completion_len"].to_list()
+        reasoning_len = df["reasoning_len"].to_list()
+        for row in range(df.height):
+            st, j = all_stats[i], judged[i]
+            if j.repair is not None and j.repair.chosen is not None:
+                rc = j.repair.chosen
+                input_ids[row] = input_ids[row][: st.prompt_len] + rc.ids
+                segments[row] = json.dumps([seg.to_dict() for seg in rc.segments], ensure_ascii=False)
+                completion_len[row], reasoning_len[row] = len(rc.ids), rc.reasoning_tokens
+            cols["completion_diff"].append(j.completion_diff)
+            cols["prompt_diff"].append(st.prompt_diff)
+            cols["verdict"].append(j.verdict)
+            cols["reasons"].append(j.reasons)
+            cols["train"].append(j.verdict in admitted)
+            cols["repair"].append(json.dumps(j.evidence) if j.evidence else None)
             i += 1
         df = df.with_columns(
-            pl.Series("completion_diff", extra["completion_diff"], dtype=pl.Int64),
-            pl.Series("prompt_diff", extra["prompt_diff"], dtype=pl.Int64),
-            pl.Series("verdict", extra["verdict"], dtype=pl.Utf8),
-            pl.Series("reasons", extra["reasons"], dtype=pl.List(pl.Utf8)),
-            pl.Series("train", extra["train"], dtype=pl.Boolean),
+            pl.Series("input_ids", input_ids, dtype=pl.List(pl.Int64)),
+            pl.Series("segments", segments, dtype=pl.Utf8),
+            pl.Series("completion_len", completion_len, dtype=pl.Int32),
+            pl.Series("reasoning_len", reasoning_len, dtype=pl.Int32),
+            pl.Series("completion_diff", cols["completion_diff"], dtype=pl.Int64),
+            pl.Series("prompt_diff", cols["prompt_diff"], dtype=pl.Int64),
+            pl.Series("verdict", cols["verdict"], dtype=pl.Utf8),
+            pl.Series("reasons", cols["reasons"], dtype=pl.List(pl.Utf8)),
+            pl.Series("train", cols["train"], dtype=pl.Boolean),
+            pl.Series("repair", cols["repair"], dtype=pl.Utf8),
         )
         _atomic_parquet(df, out / name)
         shards_meta.append({"file": name, "rows": df.height, "sha256": sha256_file(out / name)})
+    for provider, seen in _transformations_seen(all_stats, judged).items():
+        conventions[provider]["transformations_seen"] = seen
 
     manifest = {
         "dataset": dataset,
@@ -188,3 +208,105 @@ def read_shards(tokens_dir: str | Path, columns: list[str] | None = None) -> pl.
             raise ResponsesFileError(f"{path}: sha256 {actual} does not match manifest {shard['sha256']}")
         frames.append(pl.read_parquet(path, columns=columns))
     return pl.concat(frames) if frames else pl.DataFrame()
+
+
+@dataclass
+class Judgement:
+    verdict: str
+    reasons: list[str]
+    completion_diff: int | None
+    repair: RepairResult | None = None
+
+    @property
+    def evidence(self) -> dict[str, Any] | None:
+        if self.repair is None or self.repair.status == "not_applicable":
+            return None
+        return {"status": self.repair.status, "transforms": list(self.repair.transforms),
+                "candidates": self.repair.evidence}
+
+
+def _row_parsed(segments_json: str, finish_reason: str | None):
+    return parsed_from_segments(json.loads(segments_json), finish_reason)
+
+
+def _thinking_of(segments_json: str) -> bool:
+    kinds = {seg["kind"] for seg in json.loads(segments_json)}
+    return bool(kinds & {"reasoning", "think_close", "think_open"})
+
+
+def _judge(out: Path, shard_files: list[str], stats: list[SampleStats], conventions: dict[str, dict],
+           tokenizer: Tokenizer, family: ModelFamily) -> list[Judgement]:
+    """Verdicts for every sample. Count mismatches get a repair search; a provider proven to strip
+    leading spaces (a unique whitespace repair somewhere in the dataset) makes its exact samples
+    that would also match with a space restored ambiguous."""
+    judged: list[Judgement] = []
+    for st in stats:
+        conv = convention_for(conventions, st.provider, st.finish_reason)
+        v, reasons = verdict(st, conv)
+        judged.append(Judgement(v, reasons, st.completion_diff(conv if conv != "unknown" else "counts_eot")))
+    need_repair = {i for i, j in enumerate(judged) if repairable(j.reasons)}
+    # Round 1: which transformations does each provider apply? Evidence = a sample that exactly one
+    # single transformation explains.
+    learned: dict[str, set[str]] = {}
+    candidates: dict[int, tuple] = {}
+    for i, (segs, finish) in enumerate(_shard_rows(out, shard_files, ["segments", "finish_reason"])):
+        if i not in need_repair:
+            continue
+        st = stats[i]
+        conv = convention_for(conventions, st.provider, st.finish_reason)
+        parsed, thinking = _row_parsed(segs, finish), _thinking_of(segs)
+        candidates[i] = (parsed, thinking)
+        singles = [t for t in applicable_transforms(parsed)
+                   if search_repairs(parsed, tokenizer, family, st.billed_completion, st.billed_reasoning, conv,
+                                     thinking, only=(t,)).status == "unique"]
+        if len(singles) == 1:
+            learned.setdefault(st.provider, set()).add(singles[0])
+    # Round 2: each sample's candidates are the combinations of its provider's known transformations.
+    strippers: set[str] = set()
+    for i, (parsed, thinking) in candidates.items():
+        st = stats[i]
+        known = tuple(sorted(learned.get(st.provider, ())))
+        if not known:
+            continue
+        res = search_repairs(parsed, tokenizer, family, st.billed_completion, st.billed_reasoning,
+                             convention_for(conventions, st.provider, st.finish_reason), thinking, only=known)
+        j = judged[i]
+        j.repair = res
+        if res.status == "unique":
+            kept = [c for c in j.reasons if c not in COUNT_CODES]
+            j.reasons = kept + [c for c in res.reason_codes if c not in kept]
+            j.verdict = verdict_of(j.reasons)
+            j.completion_diff = 0
+        elif res.status == "ambiguous":
+            j.reasons.append("repair_ambiguous")
+            j.verdict = verdict_of(j.reasons)
+    strippers = {p for p, ts in learned.items() if ts & {WHITESPACE_REASONING, WHITESPACE_CONTENT}}
+    if strippers:
+        need_ws_check = {i for i, j in enumerate(judged) if j.verdict == "exact" and stats[i].provider in strippers}
+        for i, (segs, finish) in enumerate(_shard_rows(out, shard_files, ["segments", "finish_reason"])):
+            if i not in need_ws_check:
+                continue
+            st = stats[i]
+            res = search_repairs(_row_parsed(segs, finish), tokenizer, family, st.billed_completion, st.billed_reasoning,
+                                 convention_for(conventions, st.provider, st.finish_reason), _thinking_of(segs),
+                                 only=(WHITESPACE_REASONING, WHITESPACE_CONTENT))
+            if res.status in ("unique", "ambiguous"):
+                judged[i].reasons.append("whitespace_ambiguous")
+                judged[i].verdict = verdict_of(judged[i].reasons)
+                judged[i].repair = res
+    return judged
+
+
+def _shard_rows(out: Path, shard_files: list[str], columns: list[str]) -> Iterator[tuple]:
+    for name in shard_files:
+        yield from pl.read_parquet(out / name, columns=columns).iter_rows()
+
+
+def _transformations_seen(stats: list[SampleStats], judged: list[Judgement]) -> dict[str, dict[str, int]]:
+    seen: dict[str, Counter] = {}
+    for st, j in zip(stats, judged):
+        c = seen.setdefault(st.provider, Counter())
+        for code in j.reasons:
+            if REASONS[code][0] == "repair":
+                c[code] += 1
+    return {p: dict(c) for p, c in seen.items()}

@@ -24,7 +24,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from .checks import REASONS, VERDICTS
+from .checks import REASONS, VERDICTS, completion_verified
 from .tokens import read_shards
 
 SCHEMA_VERSION = 1
@@ -47,9 +47,10 @@ def summarize(tokens_dir: str | Path, max_bad_fraction: float) -> dict[str, Any]
     for row in df.iter_rows(named=True):
         v, prov = row["verdict"], row["provider"]
         counts[v] += 1
-        p = providers.setdefault(prov, {"total": 0, **{k: 0 for k in VERDICTS}})
+        p = providers.setdefault(prov, {"total": 0, **{k: 0 for k in VERDICTS}, "completion_verified": 0})
         p["total"] += 1
         p[v] += 1
+        p["completion_verified"] += completion_verified(row["reasons"])
         if row["completion_diff"] is not None:
             cdiff[prov][str(row["completion_diff"])] += 1
         if row["prompt_diff"] is not None:
@@ -63,9 +64,12 @@ def summarize(tokens_dir: str | Path, max_bad_fraction: float) -> dict[str, Any]
     total = df.height
     for prov, p in providers.items():
         p["exact_share"] = round(p["exact"] / p["total"], 4) if p["total"] else 0.0
+        p["completion_verified_share"] = round(p["completion_verified"] / p["total"], 4) if p["total"] else 0.0
         conv = manifest.get("conventions", {}).get(prov, {})
         p["convention"] = conv.get("convention", "unknown")
+        p["convention_by_finish"] = {f: g["convention"] for f, g in sorted((conv.get("by_finish") or {}).items())}
         p["convention_support"] = conv.get("support", {})
+        p["transformations_seen"] = conv.get("transformations_seen", {})
         p["completion_diff"] = dict(sorted(cdiff[prov].items(), key=lambda kv: int(kv[0])))
         p["prompt_diff"] = dict(sorted(pdiff[prov].items(), key=lambda kv: int(kv[0])))
     bad = counts["mismatch"] + counts["error"]
@@ -95,11 +99,15 @@ def render_summary(report: dict[str, Any]) -> str:
         f"bad fraction {report['bad_fraction']:.4f} (limit {report['max_bad_fraction']}): "
         + ("PASSED" if report["passed"] else "FAILED"),
         "",
-        f"{'provider':<16}{'total':>7}{'exact':>7}{'repair':>7}{'mism':>7}{'error':>7}  convention   completion diff (ours-billed: n)",
+        f"{'provider':<16}{'total':>7}{'exact':>7}{'repair':>7}{'mism':>7}{'error':>7}{'compl.ok':>9}  convention   completion diff (ours-billed: n)",
     ]
     for name, p in report["providers"].items():
         diffs = ", ".join(f"{d}: {n}" for d, n in p["completion_diff"].items())
-        lines.append(f"{name:<16}{p['total']:>7}{p['exact']:>7}{p['repaired']:>7}{p['mismatch']:>7}{p['error']:>7}  "
+        by_finish = p.get("convention_by_finish", {})
+        if len(set(by_finish.values())) > 1:
+            diffs += "  [" + ", ".join(f"{f}: {c}" for f, c in by_finish.items()) + "]"
+        lines.append(f"{name:<16}{p['total']:>7}{p['exact']:>7}{p['repaired']:>7}{p['mismatch']:>7}{p['error']:>7}"
+                     f"{p['completion_verified']:>9}  "
                      f"{p['convention']:<12} {diffs}")
     if report["reasons"]:
         lines += ["", "reasons:"]
