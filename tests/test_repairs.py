@@ -1,0 +1,113 @@
+"""Adversarial samples for the verdict logic: each case is built from true token ids, then a
+provider transformation is applied to the text while the billed counts stay those of the truth."""
+import json
+
+import polars as pl
+
+from eagledata.checks import _structure_codes, learn_conventions
+from eagledata.chat import prompt_ids
+from eagledata.reconstruct import reconstruct_completion
+from eagledata.responses import ParsedResponse, ToolCall
+from eagledata.tokens import build_token_shards, read_shards
+
+MSGS = [{"role": "user", "content": "How many?"}]
+
+
+def _true_len(tok, fam, reasoning, content, calls=(), finish="stop"):
+    p = ParsedResponse(streamed=False, reasoning=reasoning, content=content, tool_calls=list(calls), finish_reason=finish)
+    return len(reconstruct_completion(p, tok, fam).ids)
+
+
+def _rec(rid, provider, reasoning, content, billed, n_prompt, calls=None, finish="stop"):
+    msg = {"role": "assistant", "reasoning": reasoning, "content": content}
+    if calls:
+        msg["tool_calls"] = [{"id": c[0], "type": "function", "function": {"name": c[1], "arguments": c[2]}} for c in calls]
+    body = {"id": rid, "provider": provider, "choices": [{"index": 0, "finish_reason": finish, "message": msg}],
+            "usage": {"prompt_tokens": n_prompt, "completion_tokens": billed}}
+    return {"id": rid, "request": {"messages": MSGS}, "status": 200, "response_raw": json.dumps(body)}
+
+
+def _judge(tok, fam, tmp_path, records):
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    res = build_token_shards(path, tmp_path / "t", tok, fam, "adv")
+    df = read_shards(tmp_path / "t")
+    return {r["id"]: r for r in df.iter_rows(named=True)}, res.manifest
+
+
+def test_wrong_special_id_in_place_of_end_of_turn_is_caught(k25):
+    tok, fam = k25
+    rc = reconstruct_completion(ParsedResponse(streamed=False, reasoning=" r", content=" c", finish_reason="stop"), tok, fam)
+    assert _structure_codes(rc, tok, fam, truncated=False) == []
+    rc.ids[-1] = 163533  # the ordinary token 'chas', not <|im_end|> (163586)
+    assert "end_of_turn_misplaced" in _structure_codes(rc, tok, fam, truncated=False)
+
+
+def test_non_canonical_split_is_never_exact(k25, tmp_path):
+    """The model emitted 'hel'+'lo' (two ids) where we re-encode 'hello' (one): identical text,
+    billed count one higher. Only the count reveals it."""
+    tok, fam = k25
+    n_prompt = len(prompt_ids(tok, MSGS))
+    r, c = " Thinking about it.", " hello world"
+    canonical = _true_len(tok, fam, r, c)
+    rows, _ = _judge(tok, fam, tmp_path, [
+        _rec("ok", "P", r, c, canonical, n_prompt),
+        _rec("ok2", "P", r, c, canonical, n_prompt),
+        _rec("split", "P", r, c, canonical + 1, n_prompt),
+    ])
+    assert rows["ok"]["verdict"] == "exact"
+    assert rows["split"]["verdict"] == "mismatch" and "completion_count_mismatch" in rows["split"]["reasons"]
+    assert rows["split"]["completion_diff"] == -1 and not rows["split"]["train"]
+
+
+def test_stripped_leading_space_is_repaired_only_when_unique(k25, tmp_path):
+    tok, fam = k25
+    n_prompt = len(prompt_ids(tok, MSGS))
+    r = " Let me count."
+    # ' 42' is two tokens (' ' and '42'): stripping the space changes the count -> provable repair
+    true_c = " 42 apples."
+    assert len(tok.encode_plain(true_c)) != len(tok.encode_plain(true_c.lstrip()))
+    # ' The' and 'The' are one token each: stripping is invisible to the count -> ambiguous
+    neutral = " The answer is clear."
+    assert len(tok.encode_plain(neutral)) == len(tok.encode_plain(neutral.lstrip()))
+    rows, manifest = _judge(tok, fam, tmp_path, [
+        _rec("honest", "Clean", r, true_c, _true_len(tok, fam, r, true_c), n_prompt),
+        _rec("strip1", "Stripper", r, true_c.lstrip(), _true_len(tok, fam, r, true_c), n_prompt),
+        _rec("strip2", "Stripper", r, neutral.lstrip(), _true_len(tok, fam, r, neutral), n_prompt),
+        _rec("clean-neutral", "Clean", r, neutral.lstrip(), _true_len(tok, fam, r, neutral.lstrip()), n_prompt),
+    ])
+    s1 = rows["strip1"]
+    assert s1["verdict"] == "repaired" and "whitespace_restored" in s1["reasons"]
+    assert s1["input_ids"][s1["prompt_len"]:] == reconstruct_completion(
+        ParsedResponse(streamed=False, reasoning=r, content=true_c, finish_reason="stop"), tok, fam).ids
+    evidence = json.loads(s1["repair"])
+    assert evidence["status"] == "unique" and evidence["transforms"] == ["whitespace_restored:content"]
+    # same count with or without the space, from a provider proven to strip: never exact
+    assert rows["strip2"]["verdict"] == "mismatch" and "whitespace_ambiguous" in rows["strip2"]["reasons"]
+    # the same text from a provider never seen stripping stays exact
+    assert rows["clean-neutral"]["verdict"] == "exact"
+    assert manifest["conventions"]["Stripper"]["transformations_seen"] == {"whitespace_restored": 1}
+
+
+def test_compact_json_arguments_are_respaced(k25, tmp_path):
+    tok, fam = k25
+    n_prompt = len(prompt_ids(tok, MSGS))
+    r = " Use the tool."
+    spaced, compact = '{"a": 2, "b": 3}', '{"a":2,"b":3}'
+    truth = _true_len(tok, fam, r, "", [ToolCall("functions.add:0", "add", spaced)], "tool_calls")
+    rows, _ = _judge(tok, fam, tmp_path, [
+        _rec("compact", "Groq-like", r, "", truth, n_prompt, [("functions.add:0", "add", compact)], "tool_calls"),
+        _rec("plain", "Groq-like", r, " ok", _true_len(tok, fam, r, " ok"), n_prompt),
+    ])
+    row = rows["compact"]
+    assert row["verdict"] == "repaired" and "tool_arguments_respaced" in row["reasons"]
+    args = [s for s in json.loads(row["segments"]) if s["kind"] == "tool_arguments"]
+    assert args[0]["text"] == spaced
+
+
+def test_conventions_are_only_the_known_two(k25):
+    from eagledata.checks import SampleStats
+
+    stats = [SampleStats(f"s{i}", "Odd", "stop", 10, 20, 0, True, 10, 17, None) for i in range(5)]
+    conv = learn_conventions(stats)  # billed 3 below ours: no known convention explains it
+    assert conv["Odd"]["convention"] == "unknown"
