@@ -1,18 +1,24 @@
-"""Snakemake entry for rule `validate` (plumbing only; logic in eagledata.validate)."""
+"""Snakemake entry for rule `validate` (plumbing only; logic in eagledata.validate / eagledata.profiles)."""
+import json
 import logging
 import sys
+from pathlib import Path
 
+from eagledata.profiles import history_path, record_validation
 from eagledata.validate import ValidationFailed, render_summary, write_validation
 
 sm = snakemake  # noqa: F821 - injected by Snakemake
 logging.basicConfig(filename=sm.log[0], level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+manifest = json.loads((Path(sm.input.tokens) / "manifest.json").read_text(encoding="utf-8"))
 try:
     report = write_validation(sm.input.tokens, sm.output.json, sm.output.summary, sm.params.max_bad_fraction)
+    record_validation(history_path(sm.config["cache_dir"]), report, manifest)
     logging.info("\n%s", render_summary(report))
 except ValidationFailed as exc:
-    # Snakemake deletes outputs of a failed job; the log keeps the readable summary.
-    with open(sm.output.summary, encoding="utf-8") as fh:
-        logging.error("%s\n%s", exc, fh.read())
+    # Snakemake deletes outputs of a failed job; the log and the fidelity history keep the findings.
+    report = json.loads(Path(sm.output.json).read_text(encoding="utf-8"))
+    record_validation(history_path(sm.config["cache_dir"]), report, manifest)
+    logging.error("%s\n%s", exc, render_summary(report))
     print(f"eagledata: {exc}", file=sys.stderr)
     sys.exit(1)
 except Exception:

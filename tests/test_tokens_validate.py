@@ -118,3 +118,20 @@ def test_bad_responses_file_names_file_line_field(k25, tmp_path):
     path.write_text('{"request": {}, "response_raw": "{}"}\nnot json\n')
     with pytest.raises(ResponsesFileError, match=r"r\.jsonl:2: not valid JSON"):
         build_token_shards(path, tmp_path / "t", tok, fam, "x")
+
+
+def test_fidelity_profiles_accumulate_across_runs_without_double_counting(k25, synthetic, tmp_path):
+    from eagledata.profiles import accumulated_profiles, record_validation
+
+    tok, fam = k25
+    res = build_token_shards(synthetic, tmp_path / "tokens", tok, fam, "syn")
+    rep = summarize(tmp_path / "tokens", 1.0)
+    hist = tmp_path / "hist.jsonl"
+    record_validation(hist, rep, res.manifest)
+    record_validation(hist, rep, res.manifest)  # the same data validated again: replaced, not added
+    assert accumulated_profiles(hist)["P"]["total"] == 8  # the error body names no provider
+    other = dict(rep, dataset="syn2")
+    record_validation(hist, other, res.manifest)  # a second dataset: added
+    prof = accumulated_profiles(hist)["P"]
+    assert prof["total"] == 16 and prof["exact"] == 6 and prof["datasets"] == ["syn", "syn2"]
+    assert prof["convention"] == "counts_eot" and prof["transformations_seen"] == {"tool_id_rebuilt": 2}
