@@ -61,6 +61,27 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profiles(args: argparse.Namespace) -> int:
+    from .profiles import accumulated_profiles, history_path
+
+    config = load_config(args.config)
+    path = history_path(config["cache_dir"])
+    profiles = accumulated_profiles(path)
+    if args.json:
+        print(json.dumps(profiles, indent=2))
+        return 0
+    if not profiles:
+        print(f"no validated runs recorded yet ({path})")
+        return 0
+    print(f"provider fidelity over every validated run ({path}):")
+    print(f"{'provider':<16}{'total':>7}{'exact':>7}{'repair':>7}{'mism':>7}{'error':>7}{'good':>8}  convention   transformations seen")
+    for name, p in profiles.items():
+        seen = ", ".join(f"{k} x{n}" for k, n in p["transformations_seen"].items()) or "-"
+        print(f"{name:<16}{p['total']:>7}{p['exact']:>7}{p['repaired']:>7}{p['mismatch']:>7}{p['error']:>7}"
+              f"{p['good_share']:>8.1%}  {p['convention']:<12} {seen}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="eagledata", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -70,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--config", default="config/config.yaml")
     ex.add_argument("--max-ids", type=int, default=12, help="ids shown per segment")
     ex.set_defaults(func=cmd_explain)
+    pr = sub.add_parser("profiles", help="provider fidelity accumulated over every validated run")
+    pr.add_argument("--config", default="config/config.yaml")
+    pr.add_argument("--json", action="store_true")
+    pr.set_defaults(func=cmd_profiles)
     args = ap.parse_args(argv)
     return args.func(args)
 
