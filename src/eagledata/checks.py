@@ -118,34 +118,53 @@ def structural_codes(sample: Sample, tokenizer: Tokenizer, family: ModelFamily) 
     return list(dict.fromkeys(codes))
 
 
+_FAMILY_IDS: dict[tuple[str, str], tuple[int, ...]] = {}
+
+
+def _family_ids(tokenizer: Tokenizer, family: ModelFamily) -> tuple[int, ...]:
+    """(think_close, section_begin, section_end, call_begin, argument_begin, call_end, end_of_turn)."""
+    key = (tokenizer.fingerprint, family.name)
+    ids = _FAMILY_IDS.get(key)
+    if ids is None:
+        sid = tokenizer.special_id
+        think_close = sid(family.think_close) if family.thinking else -1
+        ids = _FAMILY_IDS[key] = (think_close, *(sid(n) for n in (
+            family.tool_section_begin, family.tool_section_end, family.tool_call_begin,
+            family.tool_argument_begin, family.tool_call_end, family.end_of_turn)))
+    return ids
+
+
 def _structure_codes(rc, tokenizer: Tokenizer, family: ModelFamily, truncated: bool) -> list[str]:
     ids = rc.ids
     codes = []
-    sid = tokenizer.special_id
-    if rc.thinking and not truncated:
-        if ids.count(sid(family.think_close)) != 1:
-            codes.append("think_close_count")
-    begin, end = sid(family.tool_section_begin), sid(family.tool_section_end)
+    think_close, begin, end, call_begin, arg_begin, call_end, eot = _family_ids(tokenizer, family)
+    if rc.thinking and not truncated and ids.count(think_close) != 1:
+        codes.append("think_close_count")
     n_begin, n_end = ids.count(begin), ids.count(end)
     if n_begin != n_end or n_begin > 1:
         codes.append("tool_section_malformed")
     elif n_begin == 1:
         b, e = ids.index(begin), ids.index(end)
-        order = [t for t in ids[b:e + 1] if t in (sid(family.tool_call_begin), sid(family.tool_argument_begin), sid(family.tool_call_end))]
-        triple = [sid(family.tool_call_begin), sid(family.tool_argument_begin), sid(family.tool_call_end)]
+        order = [t for t in ids[b:e + 1] if t in (call_begin, arg_begin, call_end)]
+        triple = [call_begin, arg_begin, call_end]
         if b > e or len(order) % 3 or any(order[i:i + 3] != triple for i in range(0, len(order), 3)):
             codes.append("tool_section_malformed")
-    eot = sid(family.end_of_turn)
     n_eot = ids.count(eot)
     if rc.stopped != (n_eot == 1 and ids[-1] == eot) or n_eot > 1:
         codes.append("end_of_turn_misplaced")
+    first_special = getattr(tokenizer, "first_special_id", None)
+    decode = tokenizer.decode
     for seg in rc.segments:
         if seg.text is None:
             continue
         seg_ids = ids[seg.start:seg.end]
-        if any(tokenizer.is_special_id(t) for t in seg_ids):
+        if first_special is not None:
+            has_special = max(seg_ids, default=-1) >= first_special
+        else:
+            has_special = any(tokenizer.is_special_id(t) for t in seg_ids)
+        if has_special:
             codes.append("special_in_text")
-        if tokenizer.decode(seg_ids) != seg.text:
+        if decode(seg_ids) != seg.text:
             codes.append("decode_mismatch")
     return list(dict.fromkeys(codes))
 

@@ -152,15 +152,14 @@ class TiktokenTokenizer:
         except KeyError:
             raise TokenizerError(f"tokenizer {self.source}: no special token named {name!r}") from None
 
+    def __post_init__(self) -> None:
+        self.first_special_id = min(self.specials.values())
+
     def is_special_id(self, token_id: int) -> bool:
-        return token_id >= self._first_special
+        return token_id >= self.first_special_id
 
     def special_names(self) -> dict[str, int]:
         return dict(self.specials)
-
-    @property
-    def _first_special(self) -> int:
-        return min(self.specials.values())
 
 
 def _special_table(config: dict, n_ranks: int, special_range: int, source: Path) -> dict[str, int]:
