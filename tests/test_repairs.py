@@ -64,9 +64,11 @@ def test_stripped_leading_space_is_repaired_only_when_unique(k25, tmp_path):
     tok, fam = k25
     n_prompt = len(prompt_ids(tok, MSGS))
     r = " Let me count."
-    # ' 42' is two tokens (' ' and '42'): stripping the space changes the count -> provable repair
-    true_c = " 42 apples."
-    assert len(tok.encode_plain(true_c)) != len(tok.encode_plain(true_c.lstrip()))
+    # ' pneumonoultra' merges into fewer tokens than 'pneumonoultra', '\npneumonoultra', ...: only a
+    # restored single space explains the billed count -> provable repair
+    true_c = " pneumonoultra is here."
+    lens = {p: len(tok.encode_plain(p + true_c.lstrip())) for p in ("", " ", "\n", "\n\n", "  ")}
+    assert list(lens.values()).count(lens[" "]) == 1
     # ' The' and 'The' are one token each: stripping is invisible to the count -> ambiguous
     neutral = " The answer is clear."
     assert len(tok.encode_plain(neutral)) == len(tok.encode_plain(neutral.lstrip()))
@@ -74,6 +76,7 @@ def test_stripped_leading_space_is_repaired_only_when_unique(k25, tmp_path):
         _rec("honest", "Clean", r, true_c, _true_len(tok, fam, r, true_c), n_prompt),
         _rec("strip1", "Stripper", r, true_c.lstrip(), _true_len(tok, fam, r, true_c), n_prompt),
         _rec("strip2", "Stripper", r, neutral.lstrip(), _true_len(tok, fam, r, neutral), n_prompt),
+        _rec("strip42", "Stripper", r, "42 apples.", _true_len(tok, fam, r, " 42 apples."), n_prompt),
         _rec("clean-neutral", "Clean", r, neutral.lstrip(), _true_len(tok, fam, r, neutral.lstrip()), n_prompt),
     ])
     s1 = rows["strip1"]
@@ -81,7 +84,9 @@ def test_stripped_leading_space_is_repaired_only_when_unique(k25, tmp_path):
     assert s1["input_ids"][s1["prompt_len"]:] == reconstruct_completion(
         ParsedResponse(streamed=False, reasoning=r, content=true_c, finish_reason="stop"), tok, fam).ids
     evidence = json.loads(s1["repair"])
-    assert evidence["status"] == "unique" and evidence["transforms"] == ["whitespace_restored:content"]
+    assert evidence["status"] == "unique" and evidence["transforms"] == ["whitespace_restored:content=' '"]
+    # ' 42' and '\n42' both explain the count: ambiguous, never a guess
+    assert rows["strip42"]["verdict"] == "mismatch" and "repair_ambiguous" in rows["strip42"]["reasons"]
     # same count with or without the space, from a provider proven to strip: never exact
     assert rows["strip2"]["verdict"] == "mismatch" and "whitespace_ambiguous" in rows["strip2"]["reasons"]
     # the same text from a provider never seen stripping stays exact

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
-from itertools import combinations
+from itertools import combinations, product
 from typing import Any, Mapping
 
 from .checks import EXCLUDES_EOT
@@ -46,9 +46,9 @@ class RepairResult:
     @property
     def reason_codes(self) -> list[str]:
         codes = []
-        if any(t.startswith("whitespace_restored") for t in self.transforms):
+        if any(t.startswith("whitespace_restored") for t in self.transforms):  # labels carry the prefix
             codes.append("whitespace_restored")
-        if ARGUMENTS_RESPACED in self.transforms:
+        if any(t.startswith(ARGUMENTS_RESPACED) for t in self.transforms):
             codes.append("tool_arguments_respaced")
         return codes
 
@@ -80,6 +80,11 @@ def _respaced(arguments: str) -> str | None:
     return spaced if spaced != arguments else None
 
 
+#: What a leading-whitespace strip may have removed. Every one is a candidate, so a count that
+#: several prefixes explain is ambiguous instead of a guess.
+WHITESPACE_PREFIXES = (" ", "\n", "\n\n", "  ")
+
+
 def applicable_transforms(parsed: ParsedResponse) -> list[str]:
     out = []
     if parsed.reasoning and not parsed.reasoning[0].isspace():
@@ -91,12 +96,20 @@ def applicable_transforms(parsed: ParsedResponse) -> list[str]:
     return out
 
 
-def apply_transforms(parsed: ParsedResponse, transforms: tuple[str, ...]) -> ParsedResponse:
+def _variants(transform: str) -> tuple[str, ...]:
+    return WHITESPACE_PREFIXES if transform.startswith("whitespace_restored") else ("",)
+
+
+def apply_transforms(parsed: ParsedResponse, transforms: tuple[str, ...],
+                     prefixes: Mapping[str, str] | None = None) -> ParsedResponse:
+    """``parsed`` with the inverse transformations applied; ``prefixes`` gives the whitespace put
+    back per whitespace transform (default one space)."""
+    prefixes = prefixes or {}
     p = replace(parsed, tool_calls=list(parsed.tool_calls))
     if WHITESPACE_REASONING in transforms:
-        p.reasoning = " " + (p.reasoning or "")
+        p.reasoning = prefixes.get(WHITESPACE_REASONING, " ") + (p.reasoning or "")
     if WHITESPACE_CONTENT in transforms:
-        p.content = " " + (p.content or "")
+        p.content = prefixes.get(WHITESPACE_CONTENT, " ") + (p.content or "")
     if ARGUMENTS_RESPACED in transforms:
         p.tool_calls = [replace(c, arguments=_respaced(c.arguments) or c.arguments) for c in p.tool_calls]
     return p
@@ -131,12 +144,15 @@ def search_repairs(
     evidence, matching = [], []
     for r in range(1, len(options) + 1):
         for combo in combinations(options, r):
-            rc = reconstruct_completion(apply_transforms(parsed, combo), tokenizer, family, 0, thinking)
-            ok, diff = counts_match(rc, billed_completion, billed_reasoning, convention)
-            evidence.append({"transforms": list(combo), "completion_diff": diff, "reasoning_tokens": rc.reasoning_tokens,
-                             "matches": ok})
-            if ok:
-                matching.append((combo, rc))
+            for variant in product(*(_variants(t) for t in combo)):
+                prefixes = {t: v for t, v in zip(combo, variant) if v}
+                rc = reconstruct_completion(apply_transforms(parsed, combo, prefixes), tokenizer, family, 0, thinking)
+                ok, diff = counts_match(rc, billed_completion, billed_reasoning, convention)
+                label = [f"{t}={prefixes[t]!r}" if t in prefixes else t for t in combo]
+                evidence.append({"transforms": label, "completion_diff": diff, "reasoning_tokens": rc.reasoning_tokens,
+                                 "matches": ok})
+                if ok:
+                    matching.append((tuple(label), rc))
     if len(matching) == 1:
         combo, rc = matching[0]
         return RepairResult("unique", rc, combo, evidence)

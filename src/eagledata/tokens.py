@@ -259,8 +259,8 @@ def _judge(out: Path, shard_files: list[str], stats: list[SampleStats], conventi
         singles = [t for t in applicable_transforms(parsed)
                    if search_repairs(parsed, tokenizer, family, st.billed_completion, st.billed_reasoning, conv,
                                      thinking, only=(t,)).status == "unique"]
-        if len(singles) == 1:
-            learned.setdefault(st.provider, set()).add(singles[0])
+        if len(singles) == 1:  # stripping is one behaviour: it may hit reasoning and content alike
+            learned.setdefault(st.provider, set()).update(_transform_family(singles[0]))
     # Round 2: each sample's candidates are the combinations of its provider's known transformations.
     strippers: set[str] = set()
     for i, (parsed, thinking) in candidates.items():
@@ -295,6 +295,12 @@ def _judge(out: Path, shard_files: list[str], stats: list[SampleStats], conventi
                 judged[i].verdict = verdict_of(judged[i].reasons)
                 judged[i].repair = res
     return judged
+
+
+def _transform_family(transform: str) -> tuple[str, ...]:
+    if transform in (WHITESPACE_REASONING, WHITESPACE_CONTENT):
+        return (WHITESPACE_REASONING, WHITESPACE_CONTENT)
+    return (transform,)
 
 
 def _shard_rows(out: Path, shard_files: list[str], columns: list[str]) -> Iterator[tuple]:
