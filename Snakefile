@@ -22,12 +22,16 @@ include: "rules/generate.smk"
 include: "rules/tokens.smk"
 include: "rules/validate.smk"
 include: "rules/extract.smk"
+include: "rules/report.smk"
 
 
 rule all:
     default_target: True
     input:
         all_targets(),
+        f"{RESULTS}/report.html",
+        f"{RESULTS}/validation.json",
+        f"{RESULTS}/routing_advice.yaml",
 
 
 for _dataset in DATASETS:

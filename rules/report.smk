@@ -1,0 +1,51 @@
+# Reports a person reads (eagledata.report): one HTML per dataset (the worst samples decoded token by
+# token with the implicated tokens highlighted), one for the whole run, the run-wide validation.json
+# and routing advice. Self-contained HTML; all of it is embedded by `snakemake --report report.zip`.
+# Needs from rules/common.smk: RESULTS, DATASETS, tokenizer_input. Settings: config key `report`
+# (eagledata.report.REPORT_DEFAULTS).
+from eagledata.report import report_settings
+
+REPORT_SETTINGS = report_settings(config)
+REPORT_CODE = ["src/eagledata/report.py", "src/eagledata/data/templates/report.html.jinja"]
+
+
+rule report_dataset:
+    """One dataset's HTML report."""
+    input:
+        validation=f"{RESULTS}/{{dataset}}/validation.json",
+        tokens=f"{RESULTS}/{{dataset}}/tokens",
+        tokenizer=tokenizer_input,
+        code=REPORT_CODE,
+    output:
+        html=report(f"{RESULTS}/{{dataset}}/report.html", category="Report", subcategory="Datasets", labels={"dataset": "{dataset}", "file": "report.html"}),
+    params:
+        settings=REPORT_SETTINGS,
+        run_html=f"{RESULTS}/report.html",
+    log:
+        "logs/{dataset}/report.log",
+    conda:
+        "../envs/core.yaml"
+    script:
+        "../scripts/report.py"
+
+
+rule report:
+    """Run-wide HTML report, validation.json (counts summed over datasets) and routing advice."""
+    input:
+        validation=expand(f"{RESULTS}/{{dataset}}/validation.json", dataset=DATASETS),
+        tokens=expand(f"{RESULTS}/{{dataset}}/tokens", dataset=DATASETS),
+        reports=expand(f"{RESULTS}/{{dataset}}/report.html", dataset=DATASETS),
+        code=REPORT_CODE,
+    output:
+        html=report(f"{RESULTS}/report.html", category="Report", subcategory="Run", labels={"scope": "run", "file": "report.html"}),
+        json=report(f"{RESULTS}/validation.json", category="Report", subcategory="Run", labels={"scope": "run", "file": "validation.json"}),
+        advice=report(f"{RESULTS}/routing_advice.yaml", category="Report", subcategory="Run", labels={"scope": "run", "file": "routing_advice.yaml"}),
+    params:
+        settings=REPORT_SETTINGS,
+        datasets=DATASETS,
+    log:
+        "logs/report.log",
+    conda:
+        "../envs/core.yaml"
+    script:
+        "../scripts/report.py"
