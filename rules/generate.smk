@@ -1,6 +1,7 @@
 # Responses for every dataset: generated (rule generate) or imported (rule import_responses).
 # Paid responses live in the resumable cache {cache_dir}/{dataset}/responses.jsonl, which is NOT an
-# output: a failed or killed job keeps them, and a rerun requests only what is missing. The input
+# output: a failed or killed job keeps them, and a rerun requests only what is missing. Parallel
+# generate jobs share the budget ledger {cache_dir}/budget.sqlite (not an output either). The input
 # and params functions are methods of eagledata.generate.GenerateRuleInputs (bound to config).
 from eagledata.generate import GenerateRuleInputs
 
@@ -13,10 +14,12 @@ rule generate:
         prompts=generate_inputs.prompts,
         tokenizer=generate_inputs.tokenizer,
     output:
-        f"{RESULTS}/{{dataset}}/responses.jsonl",
+        responses=f"{RESULTS}/{{dataset}}/responses.jsonl",
+        summary=f"{RESULTS}/{{dataset}}/generation_summary.json",
     params:
         # output-shaping settings only: changing one reruns the rule, and the cache makes that
-        # rerun request only the samples whose request body changed
+        # rerun request only the samples whose request body changed (budget, concurrency and
+        # timeouts are read in the job and rerun nothing)
         request=generate_inputs.request,
     wildcard_constraints:
         dataset=regex_of(GENERATED_DATASETS),

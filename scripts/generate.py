@@ -2,7 +2,8 @@
 import json
 import sys
 
-from eagledata.generate import GenerationError, generate_dataset
+from eagledata.generate import GenerationError, Interrupted, generate_dataset
+from eagledata.prompts import PromptFileError
 
 sm = snakemake  # noqa: F821 - injected by Snakemake
 with open(sm.log[0], "a", encoding="utf-8") as log_fh:
@@ -12,9 +13,14 @@ with open(sm.log[0], "a", encoding="utf-8") as log_fh:
         log_fh.flush()
 
     try:
-        summary = generate_dataset(sm.config, sm.wildcards.dataset, sm.output[0], log=log)
+        summary = generate_dataset(sm.config, sm.wildcards.dataset, sm.output.responses, log=log,
+                                   summary_path=sm.output.summary)
         log("summary: " + json.dumps(summary))
-    except GenerationError as exc:  # expected stops (failing prompts, 401/402, budget): message only
+    except Interrupted as exc:  # SIGINT/SIGTERM/job timeout: in-flight requests drained, cache consistent
+        log(f"INTERRUPTED: {exc}")
+        print(f"generate {sm.wildcards.dataset}: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except (GenerationError, PromptFileError) as exc:  # expected stops: message only (file:line:field for prompts)
         log(f"ERROR: {exc}")
         print(f"generate {sm.wildcards.dataset}: {exc}", file=sys.stderr)
         sys.exit(1)

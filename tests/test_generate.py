@@ -171,9 +171,11 @@ def test_generate_writes_exact_records_in_prompt_order(setup, tmp_path, key):
     assert sim.requests_total == 12 and sim.authorizations == {f"Bearer {key}": 12}
     for r in recs:
         assert set(r) == {"id", "prompt_id", "sample_index", "request", "status", "response_raw", "url", "cache_key",
-                          "backend", "started_at", "elapsed_s", "attempts"}
+                          "backend", "started_at", "elapsed_s", "attempts", "generation_id", "token_ids"}
+        assert r["token_ids"] is None and r["generation_id"] == parse_response(r["response_raw"]).generation_id
         assert r["status"] == 200 and r["attempts"] == 1 and r["backend"] == "openrouter"
-        assert r["url"] == sim.base_url + "/chat/completions" and r["cache_key"] == cache_key(r["request"])
+        assert r["url"] == sim.base_url + "/chat/completions"
+        assert r["cache_key"] == cache_key(r["request"], 0, {"endpoint": sim.base_url})  # not OpenRouter's: salted
         assert r["response_raw"].startswith("\n")  # exact body, padding included
         assert parse_response(r["response_raw"]).ok
     assert recs[0]["request"]["tools"] == TOOLS and "tools" not in recs[1]["request"]
@@ -304,10 +306,10 @@ def test_401_402_stop_the_job_and_keep_the_cache(setup, tmp_path, status):
 
 def test_budget_stops_new_requests(setup, tmp_path):
     sim, cfg = setup(concurrency=1)
-    cfg["budget_usd"] = 1e-9
+    cfg["budget_usd"] = 1e-9  # below any request's worst case: nothing may start
     with pytest.raises(JobStopped, match="budget"):
         generate_dataset(cfg, "d", tmp_path / "out.jsonl", log=quiet)
-    assert sim.requests_total == 1
+    assert sim.requests_total == 0
 
 
 def test_api_key_is_sent_but_never_written(setup, tmp_path, key):
@@ -322,14 +324,14 @@ def test_api_key_is_sent_but_never_written(setup, tmp_path, key):
         assert key.encode() not in p.read_bytes(), p
 
 
-def test_missing_key_and_unimplemented_backends(tmp_path, monkeypatch):
+def test_missing_key_and_sglang_without_server(tmp_path, monkeypatch):
     monkeypatch.delenv("OPENROUTER_API_KEY", raising=False)
     prompts = write_prompts(tmp_path / "p.jsonl", 2)
     cfg = make_config(tmp_path, prompts, "tok")
     with pytest.raises(GenerationError, match="OPENROUTER_API_KEY"):
         generate_dataset(cfg, "d", tmp_path / "o.jsonl", log=quiet)
     cfg["datasets"]["d"]["backend"] = "sglang"
-    with pytest.raises(NotImplementedError, match="sglang"):
+    with pytest.raises(GenerationError, match="api_base"):
         generate_dataset(cfg, "d", tmp_path / "o.jsonl", log=quiet)
 
 

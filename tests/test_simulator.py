@@ -251,3 +251,97 @@ def test_cost_from_price(k25):
     with SimulatorServer(tok, fam, price_per_mtok={"prompt": 1.0, "completion": 10.0}) as sim:
         p = parse_response(post(sim, body(2)).text)
         assert p.cost == pytest.approx(p.prompt_tokens * 1e-6 + p.completion_tokens * 1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# profiles reproducing real providers, new faults, cost accounting, SGLang shapes
+
+
+def test_more_provider_profiles(k25):
+    tok, fam = k25
+    b = body(3, tools=True, tool_choice="required")
+    with SimulatorServer(tok, fam, seed=5, profile="call-ids-index") as sim:
+        p = parse_response(post(sim, b).text)
+        assert [c.id for c in p.tool_calls] == [str(i) for i in range(len(p.tool_calls))]
+    with SimulatorServer(tok, fam, seed=5, profile="call-ids-name") as sim:
+        p = parse_response(post(sim, b).text)
+        assert [c.id for c in p.tool_calls] == [f"{c.name}:{i}" for i, c in enumerate(p.tool_calls)]
+    with SimulatorServer(tok, fam, seed=5, profile="markup-in-reasoning") as sim:
+        p = parse_response(post(sim, b).text)
+        assert not p.tool_calls and p.reasoning.endswith(fam.tool_section_end) and fam.tool_call_begin in p.reasoning
+    with SimulatorServer(tok, fam, seed=5, profile="reasoning-counts-close") as sim:
+        p = parse_response(post(sim, b).text)
+        assert p.reasoning_tokens == len(segment_ids(truth(sim, p.generation_id), "reasoning")[0]) + 1
+    with SimulatorServer(tok, fam, seed=5) as exact, SimulatorServer(tok, fam, seed=5, profile="truncating") as sim:
+        full = truth(exact, parse_response(post(exact, body(4)).text).generation_id)["ids"]
+        p = parse_response(post(sim, body(4)).text)
+        t = truth(sim, p.generation_id)
+        assert p.finish_reason == "length" and t["ids"] == full[: len(full) // 2] and not t["stopped"]
+        assert p.completion_tokens == len(full) // 2 and t["quirks"] == [f"cap@{len(full) // 2}"]
+
+
+def test_noncanonical_split_profile(k25):
+    """The provider's model emitted a non-canonical split: same text, other ids, billed one more."""
+    tok, fam = k25
+    seen = 0
+    with SimulatorServer(tok, fam, seed=6, profile="noncanonical") as sim:
+        for i in range(8):
+            r = post(sim, body(i, tools=i % 2 == 1))
+            p = parse_response(r.text)
+            t = truth(sim, p.generation_id)
+            if not t["quirks"]:
+                continue
+            seen += 1
+            canonical = []
+            for s in t["segments"]:
+                canonical += tok.encode_plain(s["text"]) if "text" in s else t["ids"][s["start"]:s["end"]]
+            assert canonical != t["ids"] and len(t["ids"]) == len(canonical) + 1
+            assert tok.decode(canonical) == tok.decode(t["ids"])
+            assert p.completion_tokens == len(t["ids"])  # billed: the ids the model produced
+            for s in t["segments"]:
+                if "text" in s:
+                    assert tok.decode(t["ids"][s["start"]:s["end"]]) == s["text"]
+    assert seen >= 6
+
+
+def test_new_faults_cost_accounting_and_key(k25):
+    tok, fam = k25
+    faults = {1: "503:1.5", 2: "malformed", 3: "reset", 4: "error-in-200", 5: "malformed"}
+    with SimulatorServer(tok, fam, seed=1, faults=faults, price_per_mtok=(1.0, 2.0)) as sim:
+        r = post(sim, body(0))
+        assert r.status_code == 503 and r.headers["retry-after"] == "1.5"
+        r = post(sim, body(0))
+        assert r.status_code == 200 and parse_response(r.text).error.where == "malformed"
+        assert r.headers["x-generation-id"].startswith("gen-")
+        with pytest.raises(httpx.TransportError):
+            httpx.post(sim.base_url + "/chat/completions", json=body(0), timeout=5)
+        billed = sim.billed_usd
+        assert parse_response(post(sim, body(0)).text).error.where == "body"
+        assert sim.billed_usd == billed  # errors in 200 bodies are not billed
+        p = parse_response(post(sim, body(0, stream=True)).text)
+        assert p.error is not None
+        ok = parse_response(post(sim, body(0)).text)
+        assert ok.ok and sim.generations[ok.generation_id].billed == pytest.approx(ok.cost)
+        key = HTTP.get(sim.base_url + "/key").json()["data"]
+        assert key["usage"] == pytest.approx(sim.billed_usd) and sim.billed_usd > ok.cost
+
+
+def test_sglang_shapes(k25):
+    tok, fam = k25
+    eot = tok.special_id(fam.end_of_turn)
+    with SimulatorServer(tok, fam, seed=3, api="sglang") as sim:
+        assert sim.base_url.endswith("/v1")
+        b = {**body(1, tools=True, tool_choice="required"), "return_token_ids": True}
+        j = HTTP.post(sim.base_url + "/chat/completions", json=b).json()
+        ch = j["choices"][0]
+        t = sim.truth("gen-" + j["id"])
+        assert ch["token_ids"] == t["ids"] and ch["matched_stop"] == eot and ch["finish_reason"] == "tool_calls"
+        assert ch["prompt_token_ids"] == t["prompt_ids"] and j["usage"]["completion_tokens"] == len(t["ids"])
+        assert ch["message"]["reasoning_content"] and ch["message"]["tool_calls"][0]["id"].startswith("functions.")
+        bad = HTTP.post(sim.base_url + "/chat/completions", json={**b, "stream": True})
+        assert bad.status_code == 400 and bad.json()["object"] == "error"
+        g = HTTP.post(sim.root_url + "/generate", json={"input_ids": t["prompt_ids"],
+                                                        "sampling_params": {"max_new_tokens": 5}}).json()
+        assert len(g["output_ids"]) == 5 and g["meta_info"]["finish_reason"]["type"] == "length"
+        assert g["meta_info"]["prompt_tokens"] == len(t["prompt_ids"])
+        assert HTTP.get(sim.root_url + "/health").status_code == 200

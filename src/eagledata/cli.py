@@ -1,5 +1,8 @@
 """Command line: ``eagledata explain SAMPLE_ID`` prints one sample's segments, ids, counts and verdict.
 
+``eagledata plan`` shows what generation would request and cost per dataset (nothing is sent);
+``eagledata budget`` shows the spend recorded in the budget ledger and reconciles orphans.
+
 Reads the token shards a pipeline run wrote (``{results_dir}/{dataset}/tokens``); it never calls an
 API. ``--dataset`` narrows the search; without it every dataset of the config is searched.
 """
@@ -95,8 +98,32 @@ def main(argv: list[str] | None = None) -> int:
     pr.add_argument("--config", default="config/config.yaml")
     pr.add_argument("--json", action="store_true")
     pr.set_defaults(func=cmd_profiles)
+    pl_ = sub.add_parser("plan", help="what generation would request and cost, per dataset (sends nothing)")
+    pl_.add_argument("datasets", nargs="*", help="default: every dataset of the config")
+    pl_.add_argument("--config", default="config/config.yaml")
+    pl_.add_argument("--json", action="store_true")
+    pl_.set_defaults(func=_lazy("eagledata.plan", "cmd_plan"))
+    bu = sub.add_parser("budget", help="spend per dataset and provider from the budget ledger; reconcile orphans")
+    bu.add_argument("--config", default="config/config.yaml")
+    bu.add_argument("--json", action="store_true")
+    bu.add_argument("--reconcile", action="store_true",
+                    help="settle orphaned reservations from OpenRouter (/generation, then /key usage); needs OPENROUTER_API_KEY")
+    bu.add_argument("--release-orphans", action="store_true",
+                    help="settle every orphaned reservation at $0 (after checking the provider's activity page)")
+    bu.set_defaults(func=_lazy("eagledata.budget", "cmd_budget"))
     args = ap.parse_args(argv)
     return args.func(args)
+
+
+def _lazy(module: str, name: str):
+    """A subcommand implemented in another module, imported only when it runs."""
+
+    def run(args: argparse.Namespace) -> int:
+        import importlib
+
+        return getattr(importlib.import_module(module), name)(args)
+
+    return run
 
 
 if __name__ == "__main__":

@@ -1,32 +1,57 @@
-"""Generation: prompts -> exact response bodies, through OpenRouter or the local simulator.
+"""Generation: prompts -> exact response bodies, through OpenRouter, a local SGLang server, or the stand-in.
 
-:func:`generate_dataset` (the ``generate`` rule's entry) sends one chat-completions request per
-sample with an async httpx client: bounded concurrency (``generation.concurrency`` workers),
-retries with exponential backoff and jitter on 408/429/5xx, timeouts, transport errors and on
-errors reported inside 200 bodies or streams (``eagledata.responses.parse_response``), honouring
-``Retry-After``. Other 4xx answers are final: recorded (status and body) and not retried. 401 (bad
-key) and 402 (no credits) stop the whole job; so does ``budget_usd`` being spent.
+:func:`generate_dataset` (the ``generate`` rule's entry; also ``python -m eagledata.generate``) sends
+one request per sample from ``generation.concurrency`` workers, each with its own keep-alive
+connection (:mod:`eagledata.httpclient`).
+
+Faults. 408, 429, 5xx, timeouts (``generation.timeout_s`` per attempt), transport errors, errors
+inside 200 bodies, mid-stream errors and unparseable bodies are retried up to ``max_attempts`` with
+exponential backoff and jitter; a ``Retry-After`` is a lower bound, and after a 429 every worker
+waits it out (the limit is per key). Such an answer is never stored as a success. Other 4xx (400,
+403, 404, 413, 422, ...) are final for that prompt: not retried, recorded (status and exact body)
+in the cache and the output, reported per prompt in the log and the summary. 401 (bad key) and
+402 (no credits) stop the job: no new request starts, the ones in flight finish and are cached, and
+:class:`JobStopped` says what to fix. A prompt still failing after ``max_attempts`` is listed in
+:class:`GenerationError` (the others are cached; a rerun sends only the failing ones).
+
+Budget. Every attempt reserves its worst-case cost in the run-wide ledger (:mod:`eagledata.budget`)
+before it is sent and is settled at ``usage.cost``; when the caps would be passed no new request
+starts (:class:`JobStopped`). Interruption. SIGINT/SIGTERM (and ``generation.job_timeout_s``) drain:
+no new request or retry starts, requests in flight finish and are cached (up to
+``generation.drain_timeout_s``; a second signal cancels them at once), the cache stays consistent,
+and :class:`Interrupted` is raised (exit status 128 + signal from the entry points).
 
 Resumability. Every finished request (success or final error) is appended to
-``{cache_dir}/{dataset}/responses.jsonl`` at once (flush + fsync); this file is deliberately not a
-Snakemake output, so a failed or killed job never loses paid responses. Entries are keyed by
-:func:`cache_key`, the sha256 of the canonical JSON of the exact request body (plus the sample
-number for samples after the first, and the simulator's identity for the simulator backend), so a
+``{cache_dir}/{dataset}/responses.jsonl`` at once with one ``write`` (so even ``kill -9`` loses no
+received response; ``fsync`` follows at most every half second); this file is deliberately not a
+Snakemake output. Entries are keyed by :func:`cache_key`, the sha256 of the canonical JSON of the
+exact request body (plus the sample number for samples after the first, and a salt naming the
+endpoint when it is not OpenRouter's, and the stand-in's identity for the simulator backend), so a
 rerun requests only what is missing and any change of an output-shaping setting requests anew. A
-torn last line (crash mid-write) is ignored and cut off. The rule output is then written
-atomically, in prompt-file order.
+torn last line is ignored and cut off. The rule output is written atomically, in prompt-file order,
+with a summary (``generation_summary.json``) beside it.
+
+SGLang (``backend: sglang``, ``generation.api_base`` = the server root). ``sglang_endpoint: chat``
+(default) sends SGLang's OpenAI-compatible ``/v1/chat/completions`` with ``return_token_ids`` (never
+streamed: SGLang returns ids only for non-streamed chat); ``generate`` sends the native
+``/generate`` with ``input_ids`` rendered by the model's chat template. Either way the record gets
+``token_ids``: see :func:`sglang_completion_ids`.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import copy
 import json
 import os
 import random
+import re
+import signal
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from email.utils import parsedate_to_datetime
 from pathlib import Path
@@ -39,14 +64,19 @@ from .responses import parse_response
 Log = Callable[[str], None]
 
 API_KEY_ENV = "OPENROUTER_API_KEY"
+DEFAULT_API_BASE = "https://openrouter.ai/api/v1"
 #: Generation settings that shape the responses (the rest only shape how they are fetched).
 OUTPUT_SETTINGS = ("max_tokens", "temperature", "top_p", "seed", "reasoning", "provider", "stream",
-                   "samples_per_prompt")
+                   "samples_per_prompt", "tool_choice", "parallel_tool_calls", "extra_body", "sglang_endpoint")
 #: Fields of every record of ``results/{dataset}/responses.jsonl``.
 RECORD_FIELDS = ("id", "prompt_id", "sample_index", "request", "status", "response_raw", "url", "cache_key",
-                 "backend", "started_at", "elapsed_s", "attempts")
+                 "backend", "started_at", "elapsed_s", "attempts", "generation_id", "token_ids")
+#: Fields present only where they apply (SGLang backend; native endpoint).
+OPTIONAL_FIELDS = ("prompt_token_ids", "token_ids_info", "chat_request")
 FINAL_STATUSES_FATAL = {401: "the API key was rejected (401): check OPENROUTER_API_KEY",
-                        402: "OpenRouter answered 402 Payment Required (insufficient credits)"}
+                        402: "OpenRouter answered 402 Payment Required (insufficient credits): add credits or "
+                             "lower the load, then rerun"}
+FSYNC_INTERVAL_S = 0.5
 
 
 class GenerationError(RuntimeError):
@@ -55,6 +85,18 @@ class GenerationError(RuntimeError):
 
 class JobStopped(GenerationError):
     """A condition that stops every request (401, 402, budget)."""
+
+
+class Interrupted(GenerationError):
+    """SIGINT/SIGTERM or the job timeout: in-flight requests were drained, the cache is consistent."""
+
+    def __init__(self, message: str, signum: int | None = None):
+        super().__init__(message)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum if self.signum else 1
 
 
 def _stderr_log(message: str) -> None:
@@ -66,12 +108,16 @@ def _stderr_log(message: str) -> None:
 
 
 def build_request(prompt: Prompt, settings: DatasetSettings, sample_index: int = 0) -> dict[str, Any]:
-    """The exact request body for one sample. Optional settings are sent only when not null; with
-    a ``seed``, sample ``k`` uses ``seed + k``."""
+    """The exact OpenRouter request body for one sample. Optional settings are sent only when not
+    null; with a ``seed``, sample ``k`` uses ``seed + k``; ``extra_body`` keys are added last
+    (they cannot replace ``model``, ``messages`` or ``tools``)."""
     g = settings.generation
     body: dict[str, Any] = {"model": settings.api_model, "messages": prompt.messages}
     if prompt.tools:
         body["tools"] = prompt.tools
+        for key in ("tool_choice", "parallel_tool_calls"):
+            if g.get(key) is not None:
+                body[key] = g[key]
     body["max_tokens"] = g.get("max_tokens", 4096)
     for key in ("temperature", "top_p"):
         if g.get(key) is not None:
@@ -83,13 +129,43 @@ def build_request(prompt: Prompt, settings: DatasetSettings, sample_index: int =
             body[key] = g[key]
     body["stream"] = bool(g.get("stream", False))
     body["usage"] = {"include": True}
+    for key, value in (g.get("extra_body") or {}).items():
+        if key not in ("model", "messages", "tools"):
+            body[key] = value
     return body
+
+
+def sglang_chat_request(body: Mapping[str, Any]) -> dict[str, Any]:
+    """An OpenRouter body as SGLang's ``/v1/chat/completions`` body: no ``provider``/``usage``
+    (OpenRouter's), never streamed, and the generated (and prompt) token ids requested."""
+    out = {k: v for k, v in body.items() if k not in ("provider", "usage", "stream")}
+    out["stream"] = False
+    out["return_token_ids"] = True
+    out["return_prompt_token_ids"] = True
+    return out
+
+
+def sglang_generate_request(body: Mapping[str, Any], tokenizer: Any) -> dict[str, Any]:
+    """The native ``/generate`` body: the prompt as ids from the model's chat template, the
+    sampling settings in SGLang's names, special tokens kept in the text (so the text path can be
+    checked against the ids)."""
+    from .chat import prompt_ids, request_thinking
+
+    sp: dict[str, Any] = {"max_new_tokens": body.get("max_tokens"), "skip_special_tokens": False, "no_stop_trim": True}
+    for src, dst in (("temperature", "temperature"), ("top_p", "top_p"), ("seed", "sampling_seed")):
+        if body.get(src) is not None:
+            sp[dst] = body[src]
+    for key in ("top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "stop"):
+        if body.get(key) is not None:
+            sp[key] = body[key]
+    ids = prompt_ids(tokenizer, body["messages"], body.get("tools"), thinking=request_thinking(body))
+    return {"input_ids": ids, "sampling_params": sp, "stream": False}
 
 
 def cache_key(body: Mapping[str, Any], sample_index: int = 0, salt: Mapping[str, Any] | None = None) -> str:
     """sha256 of the canonical JSON of ``body``; samples after the first and a backend ``salt``
-    (the simulator's seed, profile and tokenizer) are appended, since they change the answer to
-    an identical body."""
+    (the endpoint; the simulator's seed, profile and tokenizer) are appended, since they change
+    the answer to an identical body."""
     text = canonical_json(body)
     extra = {k: v for k, v in (("sample", sample_index or None), ("salt", salt or None)) if v is not None}
     if extra:
@@ -102,12 +178,32 @@ def simulator_settings(config: Mapping[str, Any]) -> dict[str, Any]:
     return {"seed": sim.get("seed", 0), "provider": sim.get("provider", "exact")}
 
 
+def normalized_api_base(settings: DatasetSettings) -> str:
+    base = str(settings.generation.get("api_base") or DEFAULT_API_BASE).rstrip("/")
+    if settings.backend == "sglang":
+        base = base.removesuffix("/v1")
+    return base
+
+
+def endpoint_salt(settings: DatasetSettings) -> dict[str, Any] | None:
+    """What, beyond the body, selects the model that answers: a non-default endpoint."""
+    if settings.backend == "simulator":
+        return None
+    base = normalized_api_base(settings)
+    if settings.backend == "sglang":
+        return {"endpoint": base, "sglang": settings.generation.get("sglang_endpoint", "chat")}
+    return None if base == DEFAULT_API_BASE else {"endpoint": base}
+
+
 def request_params(settings: DatasetSettings, config: Mapping[str, Any]) -> dict[str, Any]:
     """The output-shaping settings of a dataset (the ``generate`` rule's ``params``): changing one
     reruns the rule, and the cache makes that rerun request only what changed. Concurrency,
-    timeouts and retry settings are left out on purpose."""
+    timeouts, retry and budget settings are left out on purpose."""
     params: dict[str, Any] = {"backend": settings.backend, "model": settings.api_model}
     params.update({k: settings.generation.get(k) for k in OUTPUT_SETTINGS})
+    salt = endpoint_salt(settings)
+    if salt:
+        params["endpoint"] = salt
     if settings.backend == "simulator":
         params["simulator"] = simulator_settings(config)
         params["price_per_mtok"] = dict(settings.model.get("price_per_mtok") or {})
@@ -129,8 +225,11 @@ class GenerateRuleInputs:
         return self.settings(wildcards).prompts
 
     def tokenizer(self, wildcards: Any) -> Any:
-        """The simulator answers with the model's tokenizer, so its files shape the responses."""
-        return self.tokenizer_input(wildcards) if self.settings(wildcards).backend == "simulator" else []
+        """The simulator answers with the model's tokenizer, and SGLang's native endpoint is sent
+        prompt ids from it, so its files shape the responses there."""
+        s = self.settings(wildcards)
+        shaped = s.backend == "simulator" or (s.backend == "sglang" and s.generation.get("sglang_endpoint") == "generate")
+        return self.tokenizer_input(wildcards) if shaped else []
 
     def request(self, wildcards: Any) -> dict[str, Any]:
         """Output-shaping settings (see :func:`request_params`)."""
@@ -145,18 +244,63 @@ class WorkItem:
     id: str
     prompt_id: str
     sample_index: int
-    request: dict[str, Any]
+    request: dict[str, Any]  # the exact body sent
     cache_key: str
+    chat_request: dict[str, Any]  # the OpenAI-form request (== request for chat endpoints)
+    body_json: str  # ``request`` serialised: the bytes sent, and embedded as-is in the record
 
 
-def work_items(prompts: Iterable[Prompt], settings: DatasetSettings, salt: Mapping[str, Any] | None = None) -> list[WorkItem]:
+@dataclass
+class DatasetWork:
+    settings: DatasetSettings
+    prompts: list[Prompt]
+    items: list[WorkItem]
+    salt: dict[str, Any] | None
+    url: str  # the completion endpoint
+    api_base: str
+
+
+def work_items(prompts: Iterable[Prompt], settings: DatasetSettings, salt: Mapping[str, Any] | None = None,
+               tokenizer: Any = None) -> list[WorkItem]:
     n = int(settings.generation.get("samples_per_prompt", 1))
+    native = settings.backend == "sglang" and settings.generation.get("sglang_endpoint") == "generate"
     items = []
     for p in prompts:
         for k in range(n):
-            body = build_request(p, settings, k)
-            items.append(WorkItem(p.id if n == 1 else f"{p.id}#{k}", p.id, k, body, cache_key(body, k, salt)))
+            chat = build_request(p, settings, k)
+            if settings.backend == "sglang":
+                body = sglang_generate_request(chat, tokenizer) if native else sglang_chat_request(chat)
+            else:
+                body = chat
+            items.append(WorkItem(p.id if n == 1 else f"{p.id}#{k}", p.id, k, body, cache_key(body, k, salt), chat,
+                                  json.dumps(body, ensure_ascii=False)))
     return items
+
+
+def simulator_salt(config: Mapping[str, Any], settings: DatasetSettings, tokenizer: Any) -> dict[str, Any]:
+    return {"simulator": {**simulator_settings(config), "tokenizer": tokenizer.fingerprint,
+                          "price_per_mtok": dict(settings.model.get("price_per_mtok") or {})}}
+
+
+def dataset_work(config: Mapping[str, Any], dataset: str, tokenizer: Any = None) -> DatasetWork:
+    """The work of a prompts dataset: every sample's exact request and cache key. ``tokenizer`` is
+    needed for the simulator backend (its identity salts the keys) and SGLang's native endpoint."""
+    s = dataset_settings(config, dataset)
+    if s.imported or not s.prompts:
+        raise GenerationError(f"dataset {dataset!r} has 'responses:' (imported); it is not generated")
+    if s.backend not in ("openrouter", "sglang", "simulator"):
+        raise GenerationError(f"dataset {dataset!r}: unknown backend {s.backend!r}")
+    native = s.backend == "sglang" and s.generation.get("sglang_endpoint") == "generate"
+    if tokenizer is None and (s.backend == "simulator" or native):
+        tokenizer = load_model_tokenizer(config, s.model_name)
+    prompts = read_prompts(s.prompts)
+    salt = simulator_salt(config, s, tokenizer) if s.backend == "simulator" else endpoint_salt(s)
+    base = normalized_api_base(s)
+    if s.backend == "sglang":
+        url = base + ("/generate" if native else "/v1/chat/completions")
+    else:
+        url = base + "/chat/completions"
+    return DatasetWork(s, prompts, work_items(prompts, s, salt, tokenizer), salt, url, base)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -165,16 +309,22 @@ def work_items(prompts: Iterable[Prompt], settings: DatasetSettings, salt: Mappi
 
 class ResponseCache:
     """Append-only JSONL of finished requests, indexed by ``cache_key`` (byte offsets, so records
-    are read back only when the output is written)."""
+    are read back only when the output is written). ``refs``: the budget reservation behind each
+    record (``ledger_ref`` -> cost, provider, generation id), for the ledger's crash recovery."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.index: dict[str, tuple[int, int]] = {}
+        self.refs: dict[str, dict[str, Any]] = {}
         self.skipped_lines = 0
-        self._fh = None
+        self._fd: int | None = None
+        self._size = 0
+        self._dirty = False
+        self._synced = 0.0
 
     def load(self) -> dict[str, tuple[int, int]]:
         self.index.clear()
+        self.refs.clear()
         if not self.path.exists():
             return self.index
         offset = 0
@@ -182,8 +332,11 @@ class ResponseCache:
             for line in fh:
                 if line.endswith(b"\n"):
                     try:
-                        key = json.loads(line)["cache_key"]
-                        self.index[key] = (offset, len(line))
+                        rec = json.loads(line)
+                        self.index[rec["cache_key"]] = (offset, len(line))
+                        if rec.get("ledger_ref"):
+                            self.refs[rec["ledger_ref"]] = {"cost": rec.get("cost"), "provider": rec.get("provider"),
+                                                            "generation_id": rec.get("generation_id")}
                     except (ValueError, KeyError, TypeError):
                         self.skipped_lines += 1
                 offset += len(line)  # a last line without newline is a torn write: ignored
@@ -193,32 +346,48 @@ class ResponseCache:
         """Open for appending, first cutting off a torn last line (so the next record starts on a
         line of its own)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(self.path, "ab")
-        size = self._fh.seek(0, os.SEEK_END)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        size = os.lseek(fd, 0, os.SEEK_END)
         keep = size
-        with open(self.path, "rb") as r:
-            while keep > 0:  # scan back to the last newline
-                start = max(0, keep - 65536)
-                r.seek(start)
-                block = r.read(keep - start)
-                nl = block.rfind(b"\n")
-                if nl >= 0:
-                    keep = start + nl + 1
-                    break
-                keep = start
+        while keep > 0:  # scan back to the last newline
+            start = max(0, keep - 65536)
+            block = os.pread(fd, keep - start, start)
+            nl = block.rfind(b"\n")
+            if nl >= 0:
+                keep = start + nl + 1
+                break
+            keep = start
         if keep != size:
-            self._fh.truncate(keep)
-            self._fh.seek(0, os.SEEK_END)
+            os.ftruncate(fd, keep)
+            os.fsync(fd)
+        self._fd, self._size = fd, keep
+
+    def append_line(self, key: str, line: bytes) -> None:
+        """Append one complete record line with a single ``write`` (crash-safe against a killed
+        process); ``fsync`` at most every :data:`FSYNC_INTERVAL_S`."""
+        if self._fd is None:
+            self.open()
+        assert self._fd is not None
+        offset = self._size
+        view = memoryview(line)
+        while view:
+            n = os.write(self._fd, view)
+            view = view[n:]
+        self._size += len(line)
+        self.index[key] = (offset, len(line))
+        self._dirty = True
+        now = time.monotonic()
+        if now - self._synced >= FSYNC_INTERVAL_S:
+            self.sync()
 
     def append(self, record: Mapping[str, Any]) -> None:
-        if self._fh is None:
-            self.open()
-        line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
-        offset = self._fh.tell()
-        self._fh.write(line)
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
-        self.index[record["cache_key"]] = (offset, len(line))
+        self.append_line(record["cache_key"], (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
+
+    def sync(self) -> None:
+        if self._fd is not None and self._dirty:
+            os.fsync(self._fd)
+            self._dirty = False
+        self._synced = time.monotonic()
 
     def get(self, key: str, fh: Any = None) -> dict[str, Any]:
         """The record of ``key``; pass an open binary ``fh`` of the cache to read many."""
@@ -230,9 +399,10 @@ class ResponseCache:
         return json.loads(fh.read(length))
 
     def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+        if self._fd is not None:
+            self.sync()
+            os.close(self._fd)
+            self._fd = None
 
 
 def write_jsonl_atomic(path: str | Path, records: Iterable[Mapping[str, Any]]) -> int:
@@ -255,8 +425,16 @@ def write_jsonl_atomic(path: str | Path, records: Iterable[Mapping[str, Any]]) -
     return n
 
 
+def write_json_atomic(path: str | Path, obj: Any) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
 # ----------------------------------------------------------------------------------------------
-# HTTP
+# Retries
 
 
 @dataclass(frozen=True)
@@ -269,12 +447,15 @@ class ClientSettings:
     timeout_s: float
     backoff_base_s: float
     backoff_max_s: float
+    job_timeout_s: float | None = None
+    drain_timeout_s: float = 60.0
 
     @classmethod
-    def from_generation(cls, g: Mapping[str, Any], api_base: str, backend: str, headers: Mapping[str, str]) -> "ClientSettings":
-        return cls(api_base.rstrip("/") + "/chat/completions", backend, dict(headers), int(g.get("concurrency", 16)),
-                   int(g.get("max_attempts", 6)), float(g.get("timeout_s", 600)), float(g.get("backoff_base_s", 1.0)),
-                   float(g.get("backoff_max_s", 60.0)))
+    def from_generation(cls, g: Mapping[str, Any], url: str, backend: str, headers: Mapping[str, str]) -> "ClientSettings":
+        job = g.get("job_timeout_s")
+        return cls(url, backend, dict(headers), int(g.get("concurrency", 16)), int(g.get("max_attempts", 6)),
+                   float(g.get("timeout_s", 600)), float(g.get("backoff_base_s", 1.0)), float(g.get("backoff_max_s", 60.0)),
+                   float(job) if job is not None else None, float(g.get("drain_timeout_s", 60.0)))
 
 
 def retry_after_seconds(value: str | None) -> float | None:
@@ -304,13 +485,6 @@ def _retryable_status(status: int) -> bool:
     return status in (408, 429) or status >= 500
 
 
-async def _post(client, cs: ClientSettings, body: Mapping[str, Any]) -> tuple[int, str, float | None]:
-    data = json.dumps(body, ensure_ascii=False).encode("utf-8")
-    async with client.stream("POST", cs.url, content=data, headers=cs.headers) as resp:
-        raw = b"".join([chunk async for chunk in resp.aiter_bytes()])
-        return resp.status_code, raw.decode("utf-8", errors="replace"), retry_after_seconds(resp.headers.get("retry-after"))
-
-
 class RateGate:
     """Shared pause after a 429 with ``Retry-After``: the limit is per key, so every worker waits,
     not only the one that was told."""
@@ -326,168 +500,490 @@ class RateGate:
             await asyncio.sleep(delay)
 
 
-@dataclass
-class ItemResult:
-    record: dict[str, Any] | None  # finished: success or final error
-    problem: str | None = None  # last problem of a request that never finished
-    cost: float = 0.0
-    attempts: int = 0
-
-
-async def request_with_retries(client, cs: ClientSettings, item: WorkItem, log: Log,
-                               gate: RateGate | None = None) -> ItemResult:
-    """Send one sample until it succeeds, fails for good, or ``max_attempts`` is spent."""
-    import httpx
-
-    gate = gate or RateGate()
-    started = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
-    t0 = time.monotonic()
-    problem = ""
-    for attempt in range(1, cs.max_attempts + 1):
-        retry_after = None
-        await gate.wait()
-        try:
-            status, text, retry_after = await asyncio.wait_for(_post(client, cs, item.request), cs.timeout_s)
-        except (httpx.TimeoutException, asyncio.TimeoutError):
-            problem = f"timeout after {cs.timeout_s:g} s"
-        except httpx.TransportError as exc:
-            problem = f"transport error ({type(exc).__name__}: {exc})"
-        else:
-            def record() -> dict[str, Any]:
-                return {"id": item.id, "prompt_id": item.prompt_id, "sample_index": item.sample_index,
-                        "request": item.request, "status": status, "response_raw": text, "url": cs.url,
-                        "cache_key": item.cache_key, "backend": cs.backend, "started_at": started,
-                        "elapsed_s": round(time.monotonic() - t0, 3), "attempts": attempt}
-
-            if status in FINAL_STATUSES_FATAL:
-                detail = parse_response(text, status).error
-                raise JobStopped(f"{FINAL_STATUSES_FATAL[status]} on {item.id}: {detail.message if detail else text[:200]}")
-            if status == 200:
-                parsed = parse_response(text, status)
-                if parsed.ok:
-                    return ItemResult(record(), cost=parsed.cost or 0.0, attempts=attempt)
-                err = parsed.error
-                problem = f"error in 200 {'stream' if parsed.streamed else 'body'} ({err.where}, code {err.code}: {err.message})"
-            elif _retryable_status(status):
-                if status == 429 and retry_after:
-                    gate.hold(retry_after)
-                err = parse_response(text, status).error
-                problem = f"HTTP {status}" + (f": {err.message}" if err and err.message != f"HTTP {status}" else "")
-            else:
-                log(f"{item.id}: HTTP {status} is final (not retried): {text.strip()[:300]}")
-                return ItemResult(record(), attempts=attempt)
-        if attempt < cs.max_attempts:
-            delay = backoff_delay(attempt, cs.backoff_base_s, cs.backoff_max_s, retry_after)
-            log(f"{item.id}: attempt {attempt}/{cs.max_attempts} failed: {problem}; retrying in {delay:.2f} s")
-            await asyncio.sleep(delay)
-    return ItemResult(None, problem, attempts=cs.max_attempts)
+# ----------------------------------------------------------------------------------------------
+# Interpreting one answer
 
 
 @dataclass
-class RunStats:
-    total: int
-    done: int = 0
-    ok: int = 0
-    final_errors: int = 0
-    http_requests: int = 0
-    cost: float = 0.0
-    started: float = 0.0
-    last_log: float = 0.0
+class Answer:
+    ok: bool
+    problem: str = ""  # when not ok
+    where: str = ""  # http | body | stream | finish | malformed | ids
+    cost: float | None = None  # reported by the server
+    provider: str | None = None
+    generation_id: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    streamed: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)  # token_ids etc. for the record
 
 
-async def run_requests(items: list[WorkItem], cs: ClientSettings, cache: ResponseCache, log: Log,
-                       budget_usd: float | None = None) -> tuple[RunStats, dict[str, str]]:
-    """Send ``items`` with ``cs.concurrency`` workers, appending every finished one to ``cache``.
-    Returns the stats and ``{item id: problem}`` for the items that never finished. Raises
-    :class:`JobStopped` (after cancelling in-flight requests) on 401/402 or a spent budget."""
-    import httpx
+def sglang_completion_ids(ids: Any, finish_type: str | None, matched: Any) -> tuple[list[int] | None, dict[str, Any]]:
+    """Normalise the ids an SGLang server returned into the record's ``token_ids``: exactly the
+    completion the model sampled after the prompt (for K2.5 after the prompt's ``<think>``), up to
+    and INCLUDING the end-of-turn id when the model stopped on it (``finish_reason`` stop /
+    tool_calls with an integer ``matched_stop``); no end of turn after ``length``. Versions that
+    leave the matched stop id out of the returned ids get it appended (``appended_stop``)."""
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        return None, {"problem": "no token ids in the answer"}
+    out = list(ids)
+    info: dict[str, Any] = {"returned": len(ids), "finish": finish_type, "matched_stop": matched, "appended_stop": False}
+    if finish_type in ("stop", "tool_calls") and isinstance(matched, int) and not isinstance(matched, bool):
+        if not out or out[-1] != matched:
+            out.append(matched)
+            info["appended_stop"] = True
+    return out, info
 
-    stats = RunStats(total=len(items), started=time.monotonic(), last_log=time.monotonic())
-    failures: dict[str, str] = {}
-    pending = iter(items)
-    stop: list[str] = []
-    gate = RateGate()
-    limits = httpx.Limits(max_connections=cs.concurrency, max_keepalive_connections=cs.concurrency)
-    timeout = httpx.Timeout(cs.timeout_s, connect=min(30.0, cs.timeout_s))
 
-    async def worker(client) -> None:
-        for item in pending:
-            if stop:
-                return
-            if budget_usd is not None and stats.cost >= budget_usd:
-                stop.append(f"budget_usd {budget_usd:g} spent (${stats.cost:.4f} in this run)")
-                return
-            result = await request_with_retries(client, cs, item, log, gate)
-            stats.http_requests += result.attempts
-            stats.done += 1
-            if result.record is None:
-                failures[item.id] = result.problem or "unknown"
-            else:
-                cache.append(result.record)
-                stats.cost += result.cost
-                if result.record["status"] == 200:
-                    stats.ok += 1
-                else:
-                    stats.final_errors += 1
-            _progress(stats, log)
-
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        tasks = [asyncio.create_task(worker(client)) for _ in range(max(1, min(cs.concurrency, len(items))))]
+def interpret(backend: str, native: bool, status: int, text: str) -> Answer:
+    """What one HTTP answer means; never raises."""
+    if backend == "sglang" and native:
         try:
-            await asyncio.gather(*tasks)
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            body = json.loads(text)
+        except ValueError as exc:
+            return Answer(False, f"unparseable body ({exc})", "malformed")
+        if status != 200 or not isinstance(body, dict) or "output_ids" not in body:
+            msg = body.get("message") or body.get("error") if isinstance(body, dict) else None
+            return Answer(False, f"HTTP {status}: {str(msg or text[:200])}", "http" if status != 200 else "body")
+        meta = body.get("meta_info") or {}
+        fin = meta.get("finish_reason") or {}
+        ids, info = sglang_completion_ids(body.get("output_ids"), fin.get("type"), fin.get("matched"))
+        if ids is None:
+            return Answer(False, info["problem"], "ids")
+        if fin.get("type") == "abort":
+            return Answer(False, f"generation aborted: {fin.get('message') or fin}", "finish")
+        return Answer(True, generation_id=meta.get("id"), provider="sglang", prompt_tokens=meta.get("prompt_tokens"),
+                      completion_tokens=meta.get("completion_tokens"), extra={"token_ids": ids, "token_ids_info": info})
+    parsed = parse_response(text, status)
+    common = dict(cost=parsed.cost, provider=parsed.provider, generation_id=parsed.generation_id,
+                  prompt_tokens=parsed.prompt_tokens, completion_tokens=parsed.completion_tokens, streamed=parsed.streamed)
+    if not parsed.ok:
+        err = parsed.error
+        assert err is not None
+        if status != 200:
+            detail = f": {err.message}" if err.message and err.message != f"HTTP {status}" else ""
+            return Answer(False, f"HTTP {status}{detail}", "http", **common)
+        return Answer(False, f"error in 200 {'stream' if parsed.streamed else 'body'} ({err.where}, code {err.code}: "
+                             f"{err.message})", err.where, **common)
+    if backend != "sglang":
+        return Answer(True, **common)
+    try:
+        choice = json.loads(text)["choices"][0]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return Answer(False, "unparseable body", "malformed", **common)
+    ids, info = sglang_completion_ids(choice.get("token_ids"), choice.get("finish_reason"), choice.get("matched_stop"))
+    if ids is None:
+        return Answer(False, "SGLang returned no token_ids: this server does not support return_token_ids on "
+                             "/v1/chat/completions; set generation.sglang_endpoint: generate", "ids", **common)
+    extra: dict[str, Any] = {"token_ids": ids, "token_ids_info": info}
+    if isinstance(choice.get("prompt_token_ids"), list):
+        extra["prompt_token_ids"] = choice["prompt_token_ids"]
+    common["provider"] = common["provider"] or "sglang"
+    return Answer(True, extra=extra, **common)
+
+
+_JSON = json.JSONEncoder(ensure_ascii=False)
+_SSE_ID = re.compile(rb'data:\s*\{[^\n]*?"id"\s*:\s*"([^"]+)"')
+
+
+# ----------------------------------------------------------------------------------------------
+# The job
+
+
+@dataclass
+class Outcome:
+    kind: str  # ok | final | fatal | retry
+    problem: str = ""
+    retry_after: float | None = None
+    line: bytes | None = None  # the cache line (ok, final)
+    status: int = 0
+
+
+class GenerationJob:
+    """One dataset's requests: workers, retries, ledger, cache, progress, signals."""
+
+    def __init__(self, work: DatasetWork, items: list[WorkItem], cs: ClientSettings, cache: ResponseCache,
+                 ledger: Any, progress: Any, log: Log, reserve_usd: Mapping[str, float], price: Any):
+        from .httpclient import Endpoint
+
+        self.work, self.items, self.cs, self.cache, self.ledger = work, items, cs, cache, ledger
+        self.progress, self.log, self.reserve_usd, self.price = progress, log, reserve_usd, price
+        self.endpoint = Endpoint.parse(cs.url)
+        self.native = work.settings.backend == "sglang" and work.settings.generation.get("sglang_endpoint") == "generate"
+        self.stream = bool(work.items and work.items[0].request.get("stream"))
+        self.gate = RateGate()
+        self.stop_reason: str | None = None  # 401/402/budget: JobStopped
+        self.interrupt: str | None = None  # signal / job timeout: Interrupted
+        self.signum: int | None = None
+        self.halt = asyncio.Event()
+        self.failures: dict[str, str] = {}
+        self.final_errors: list[dict[str, Any]] = []
+        self.finished: set[str] = set()
+        self.http_requests = 0
+        self.cost = 0.0
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.over_reservation = 0
+        self.run_s = 0.0
+        self.run_cpu_s = 0.0
+        self.tasks: list[asyncio.Task] = []
+        self.headers = {**cs.headers, "Content-Type": "application/json"}
+        self.deadlines: dict[Any, float] = {}  # connection -> deadline of its attempt (one watchdog for all)
+
+    # -- control --------------------------------------------------------------------------------
+    def stop(self, reason: str) -> None:
+        if self.stop_reason is None:
+            self.stop_reason = reason
+            self.log(f"stopping: {reason}; no new request starts, requests in flight finish")
+        self.halt.set()
+
+    def interrupt_now(self, reason: str, signum: int | None = None) -> None:
+        if self.interrupt is not None:
+            self.log(f"{reason} again: cancelling the requests in flight")
+            self.cancel_all()
+            return
+        self.interrupt, self.signum = reason, signum
+        self.halt.set()
+        in_flight = self.progress.in_flight
+        self.log(f"{reason}: draining {in_flight} request(s) in flight (at most {self.cs.drain_timeout_s:g} s; "
+                 f"send the signal again to cancel them), no new request or retry starts")
+        asyncio.get_running_loop().call_later(self.cs.drain_timeout_s, self.cancel_all)
+
+    def cancel_all(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+
+    @property
+    def halted(self) -> bool:
+        return self.halt.is_set()
+
+    # -- workers --------------------------------------------------------------------------------
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        handlers = []
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                try:
+                    loop.add_signal_handler(sig, self.interrupt_now, f"received {signal.Signals(sig).name}", sig)
+                    handlers.append(sig)
+                except (NotImplementedError, RuntimeError):
+                    pass
+        timer = None
+        if self.cs.job_timeout_s is not None:
+            timer = loop.call_later(self.cs.job_timeout_s, self.interrupt_now,
+                                    f"job timeout ({self.cs.job_timeout_s:g} s, generation.job_timeout_s)")
+        pending = iter(self.items)
+        n = max(1, min(self.cs.concurrency, len(self.items)))
+        watchdog = asyncio.create_task(self.watchdog())
+        try:
+            self.tasks = [asyncio.create_task(self.worker(pending)) for _ in range(n)]
+            results = await asyncio.gather(*self.tasks, return_exceptions=True)
+            for r in results:
+                if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
+                    raise r
+        finally:
+            watchdog.cancel()
+            if timer is not None:
+                timer.cancel()
+            for sig in handlers:
+                loop.remove_signal_handler(sig)
+
+    async def watchdog(self) -> None:
+        """Aborts the connection of every attempt past its deadline (one timer for all requests,
+        checked every ``timeout_s / 8``, at most every second: a timeout fires within that of
+        ``timeout_s``; cheaper than a timer per request, and no task is ever cancelled)."""
+        tick = min(1.0, max(0.01, self.cs.timeout_s / 8))
+        while True:
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            for conn, deadline in list(self.deadlines.items()):
+                if deadline <= now and not conn.timed_out:
+                    conn.timed_out = True
+                    conn.abort()
+
+    async def worker(self, pending: Iterator[WorkItem]) -> None:
+        from .httpclient import Connection
+
+        ep = self.endpoint
+        conn = Connection(ep.scheme, ep.host, ep.port, connect_timeout=min(30.0, self.cs.timeout_s))
+        try:
+            for item in pending:
+                if self.halted:
+                    return
+                await self.process(item, conn)
+        finally:
+            conn.close()
+
+    async def process(self, item: WorkItem, conn: Any) -> None:
+        started = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+        t0 = time.monotonic()
+        problem = "not started"
+        try:
+            for attempt in range(1, self.cs.max_attempts + 1):
+                if attempt > 1 and self.halted:
+                    problem += f" (no retry: {self.interrupt or self.stop_reason})"
+                    break
+                await self.gate.wait()
+                ref = None
+                if self.ledger is not None:
+                    from .budget import BudgetExhausted
+
+                    try:
+                        ref = await self.ledger.reserve(self.reserve_usd[item.cache_key], item=item.id,
+                                                        cache_key=item.cache_key, attempt=attempt)
+                    except BudgetExhausted as exc:
+                        self.stop(f"budget: {exc}")
+                        problem = "not started: budget"
+                        break
+                    if self.halted:  # stopped or interrupted while waiting for the reservation
+                        self.ledger.settle(ref, 0.0, note="not sent: job stopping")
+                        problem = f"not started: {self.stop_reason or self.interrupt}"
+                        break
+                self.http_requests += 1
+                self.progress.in_flight += 1
+                try:
+                    out = await self.attempt(item, conn, ref, attempt, started, t0)
+                finally:
+                    self.progress.in_flight -= 1
+                if out.kind in ("ok", "final"):
+                    assert out.line is not None
+                    self.cache.append_line(item.cache_key, out.line)
+                    self.finished.add(item.id)
+                    self.progress.done += 1
+                    if out.kind == "ok":
+                        self.progress.ok += 1
+                    else:
+                        self.progress.final_errors += 1
+                        self.final_errors.append({"id": item.id, "status": out.status, "error": out.problem})
+                        self.log(f"{item.id}: HTTP {out.status} is final (not retried): {out.problem}")
+                    self.progress.update()
+                    return
+                if out.kind == "fatal":
+                    self.stop(f"{out.problem} (on {item.id})")
+                    problem = out.problem
+                    break
+                problem = out.problem
+                self.progress.retries += 1
+                if attempt < self.cs.max_attempts:
+                    delay = backoff_delay(attempt, self.cs.backoff_base_s, self.cs.backoff_max_s, out.retry_after)
+                    self.log(f"{item.id}: attempt {attempt}/{self.cs.max_attempts} failed: {problem}; retrying in {delay:.2f} s")
+                    try:
+                        await asyncio.wait_for(self.halt.wait(), delay)
+                    except asyncio.TimeoutError:
+                        pass
+            self.failures[item.id] = problem
+        except asyncio.CancelledError:
+            self.failures[item.id] = "cancelled while in flight"
             raise
-    if stop:
-        raise JobStopped(stop[0])
-    return stats, failures
+
+    async def attempt(self, item: WorkItem, conn: Any, ref: str | None, attempt: int, started: str, t0: float) -> Outcome:
+        from .httpclient import TransportError
+
+        led = self.ledger
+        gen: dict[str, Any] = {"id": None, "sniff": b""}
+
+        def on_head(status: int, headers: Mapping[str, str]) -> None:
+            gid = headers.get("x-generation-id")
+            if gid and ref is not None:
+                gen["id"] = gid
+                led.note(ref, generation_id=gid)
+
+        def on_data(piece: bytes) -> None:
+            if gen["id"] is None and self.stream and len(gen["sniff"]) < 16384:
+                gen["sniff"] += piece
+                m = _SSE_ID.search(gen["sniff"])
+                if m and ref is not None:
+                    gen["id"] = m.group(1).decode("utf-8", "replace")
+                    led.note(ref, generation_id=gen["id"])
+
+        conn.timed_out = False
+        self.deadlines[conn] = time.monotonic() + self.cs.timeout_s
+        try:
+            try:
+                resp = await conn.request("POST", self.endpoint, self.headers, item.body_json.encode("utf-8"),
+                                          on_head, on_data)
+            except TransportError:
+                if conn.timed_out:  # aborted by the watchdog: this attempt's timeout
+                    raise asyncio.TimeoutError() from None
+                raise
+            finally:
+                self.deadlines.pop(conn, None)
+        except (asyncio.TimeoutError, TimeoutError):
+            conn.close()
+            if ref is not None:
+                led.orphan(ref, generation_id=gen["id"], note="timeout")
+            return Outcome("retry", f"timeout after {self.cs.timeout_s:g} s")
+        except TransportError as exc:
+            if ref is not None:
+                if exc.sent:
+                    led.orphan(ref, generation_id=gen["id"], note=f"transport error: {exc}"[:200])
+                else:
+                    led.settle(ref, 0.0, note="not sent")
+            return Outcome("retry", f"transport error ({exc})")
+        except asyncio.CancelledError:
+            if ref is not None:
+                led.orphan(ref, generation_id=gen["id"], note="cancelled in flight")
+            raise
+        status = resp.status
+        text = resp.body.decode("utf-8", errors="replace")
+        ans = interpret(self.work.settings.backend, self.native, status, text)
+        gid = gen["id"] or ans.generation_id
+
+        def settle(cost: float, **extra: Any) -> None:
+            if ref is not None:
+                led.settle(ref, cost, generation_id=gid, provider=ans.provider, prompt_tokens=ans.prompt_tokens,
+                           completion_tokens=ans.completion_tokens, **extra)
+
+        if status in FINAL_STATUSES_FATAL and self.work.settings.backend == "openrouter":
+            settle(0.0, note=f"HTTP {status}")
+            return Outcome("fatal", f"{FINAL_STATUSES_FATAL[status]}: {ans.problem}")
+        if ans.ok or (status != 200 and not _retryable_status(status)):
+            cost = ans.cost
+            if cost is None:
+                cost = self.price.cost(ans.prompt_tokens or 0, ans.completion_tokens or 0) if ans.ok else 0.0
+            settle(cost)
+            if ans.ok:
+                self.cost += cost
+                self.prompt_tokens += ans.prompt_tokens or 0
+                self.completion_tokens += ans.completion_tokens or 0
+                self.progress.cost += cost
+                self.progress.completion_tokens += ans.completion_tokens or 0
+                if cost > self.reserve_usd[item.cache_key] + 1e-12:
+                    self.over_reservation += 1
+            rec = {"id": item.id, "prompt_id": item.prompt_id, "sample_index": item.sample_index, "status": status,
+                   "url": self.cs.url, "cache_key": item.cache_key, "backend": self.cs.backend, "started_at": started,
+                   "elapsed_s": round(time.monotonic() - t0, 3), "attempts": attempt, "generation_id": gid,
+                   "token_ids": ans.extra.get("token_ids"),
+                   **{k: ans.extra[k] for k in ("prompt_token_ids", "token_ids_info") if k in ans.extra},
+                   "ledger_ref": ref, "cost": cost, "provider": ans.provider}
+            if "messages" not in item.request:  # native SGLang: the same request in chat form
+                rec["chat_request"] = item.chat_request
+            head = _JSON.encode(rec)
+            line = f'{head[:-1]},"request":{item.body_json},"response_raw":{_JSON.encode(text)}}}\n'.encode("utf-8")
+            return Outcome("ok" if ans.ok else "final", ans.problem, line=line, status=status)
+        # retryable
+        if status != 200:
+            settle(0.0, note=f"HTTP {status}")
+            retry_after = retry_after_seconds(resp.headers.get("retry-after"))
+            if status == 429 and retry_after:
+                self.gate.hold(retry_after)
+            return Outcome("retry", ans.problem, retry_after=retry_after, status=status)
+        if ans.cost is not None:
+            settle(ans.cost, note=ans.problem[:200])
+        elif ans.streamed and gid and ans.where in ("stream", "finish") and ref is not None:
+            led.orphan(ref, generation_id=gid, note=f"mid-stream error: {ans.problem}"[:200])
+        else:
+            settle(0.0, note=ans.problem[:200])
+        return Outcome("retry", ans.problem, status=status)
 
 
-def _progress(stats: RunStats, log: Log, every_s: float = 15.0) -> None:
-    now = time.monotonic()
-    step = max(1, stats.total // 10)
-    if stats.done == stats.total or stats.done % step == 0 or now - stats.last_log >= every_s:
-        stats.last_log = now
-        rate = stats.done / max(now - stats.started, 1e-9)
-        log(f"  {stats.done}/{stats.total} done ({stats.ok} ok, {stats.final_errors} final errors), "
-            f"{rate:.1f} samples/s, ${stats.cost:.4f}")
+# ----------------------------------------------------------------------------------------------
+# Reconciliation over HTTP (OpenRouter's /generation and /key; the stand-in has both)
+
+
+async def _get_json(conn: Any, url: str, headers: Mapping[str, str], timeout: float) -> tuple[int, Any]:
+    from .httpclient import Endpoint
+
+    resp = await asyncio.wait_for(conn.request("GET", Endpoint.parse(url), headers, b""), timeout)
+    try:
+        return resp.status, json.loads(resp.body.decode("utf-8", "replace") or "null")
+    except ValueError:
+        return resp.status, None
+
+
+async def reconcile_generations(ledger: Any, api_base: str, headers: Mapping[str, str], dataset: str | None = None,
+                                timeout: float = 10.0, limit: int = 2000) -> dict[str, int]:
+    """Settle orphans that have a generation id from ``GET {api_base}/generation?id=``
+    (``total_cost``). Unknown ids (404: the request was never billed, or not yet visible) stay."""
+    from urllib.parse import quote
+
+    from .httpclient import Connection, Endpoint, TransportError
+
+    rows = [r for r in ledger.orphans(dataset, with_generation_id=True) if (r["api_base"] or api_base) == api_base][:limit]
+    done = missing = 0
+    if not rows:
+        return {"checked": 0, "settled": 0, "unknown": 0}
+    ep = Endpoint.parse(api_base)
+    conn = Connection(ep.scheme, ep.host, ep.port, connect_timeout=timeout)
+    try:
+        for r in rows:
+            try:
+                status, body = await _get_json(conn, f"{api_base}/generation?id={quote(r['generation_id'])}", headers, timeout)
+            except (TransportError, asyncio.TimeoutError):
+                conn.close()
+                missing += 1
+                continue
+            data = (body or {}).get("data") if isinstance(body, dict) else None
+            if status == 200 and isinstance(data, dict) and isinstance(data.get("total_cost"), (int, float)):
+                done += ledger.settle(r["ref"], float(data["total_cost"]), provider=data.get("provider_name"),
+                                      prompt_tokens=data.get("native_tokens_prompt"),
+                                      completion_tokens=data.get("native_tokens_completion"),
+                                      note="reconciled from /generation")
+            else:
+                missing += 1
+    finally:
+        conn.close()
+    return {"checked": len(rows), "settled": done, "unknown": missing}
+
+
+async def key_usage(api_base: str, headers: Mapping[str, str], timeout: float = 10.0) -> float | None:
+    """The key's usage (USD) from ``GET {api_base}/key``; ``None`` when unavailable."""
+    from .httpclient import Connection, Endpoint, TransportError
+
+    ep = Endpoint.parse(api_base)
+    conn = Connection(ep.scheme, ep.host, ep.port, connect_timeout=timeout)
+    try:
+        status, body = await _get_json(conn, f"{api_base}/key", headers, timeout)
+    except (TransportError, asyncio.TimeoutError):
+        return None
+    finally:
+        conn.close()
+    data = body.get("data") if isinstance(body, dict) else None
+    if status == 200 and isinstance(data, dict) and isinstance(data.get("usage"), (int, float)):
+        return float(data["usage"])
+    return None
 
 
 # ----------------------------------------------------------------------------------------------
 # Entry points
 
 
+def _auth_headers(backend: str, dataset: str) -> dict[str, str]:
+    headers = {"X-Title": "eagledata"}
+    if backend == "openrouter":
+        key = os.environ.get(API_KEY_ENV)
+        if not key:
+            raise GenerationError(f"dataset {dataset!r} uses backend openrouter: set {API_KEY_ENV} in the environment")
+        headers["Authorization"] = f"Bearer {key}"
+    return headers
+
+
 async def generate_dataset_async(config: Mapping[str, Any], dataset: str, output_path: str | Path,
-                                 log: Log = _stderr_log) -> dict[str, Any]:
+                                 log: Log = _stderr_log, summary_path: str | Path | None = None,
+                                 progress_stream: Any = None) -> dict[str, Any]:
     """See :func:`generate_dataset`."""
+    from .budget import BudgetLedger, LedgerSession, ledger_path
+    from .plan import PromptEstimator, load_estimator, price_bound
+    from .progress import Progress
+
     t_start = time.monotonic()
     config = validate_config(copy.deepcopy(dict(config)))
     s = dataset_settings(config, dataset)
     if s.imported or not s.prompts:
         raise GenerationError(f"dataset {dataset!r} has 'responses:' (imported); it is not generated")
-    if s.backend == "sglang":
-        raise NotImplementedError("backend 'sglang' is not implemented yet (issue 4); use openrouter or simulator")
-    prompts = read_prompts(s.prompts)
     g = s.generation
-    server = None
-    salt = None
-    headers = {"Content-Type": "application/json", "X-Title": "eagledata"}
-    if s.backend == "simulator":
-        tokenizer = load_model_tokenizer(config, s.model_name)
-        sim = simulator_settings(config)
-        salt = {"simulator": {**sim, "tokenizer": tokenizer.fingerprint,
-                              "price_per_mtok": dict(s.model.get("price_per_mtok") or {})}}
-    elif s.backend == "openrouter":
-        key = os.environ.get(API_KEY_ENV)
-        if not key:
-            raise GenerationError(f"dataset {dataset!r} uses backend openrouter: set {API_KEY_ENV} in the environment")
-        headers["Authorization"] = f"Bearer {key}"
-    else:
-        raise GenerationError(f"dataset {dataset!r}: unknown backend {s.backend!r}")
+    if s.backend == "sglang" and normalized_api_base(s) == DEFAULT_API_BASE.removesuffix("/v1"):
+        raise GenerationError(f"dataset {dataset!r} uses backend sglang: set generation.api_base to the SGLang server "
+                              "(e.g. http://127.0.0.1:30000)")
+    headers = _auth_headers(s.backend, dataset)
+    tokenizer = None
+    native = s.backend == "sglang" and g.get("sglang_endpoint") == "generate"
+    if s.backend == "simulator" or native:
+        from .plan import cached_model_tokenizer
 
-    items = work_items(prompts, s, salt)
+        tokenizer = cached_model_tokenizer(config, s.model_name)
+    work = dataset_work(config, dataset, tokenizer)
+    items = work.items
     cache = ResponseCache(Path(config["cache_dir"]) / dataset / "responses.jsonl")
     index = cache.load()
     if cache.skipped_lines:
@@ -497,37 +993,106 @@ async def generate_dataset_async(config: Mapping[str, Any], dataset: str, output
         if it.cache_key not in index:
             todo.setdefault(it.cache_key, it)
     n_cached = sum(1 for it in items if it.cache_key in index)
-    log(f"generate {dataset}: {len(prompts)} prompts, {len(items)} samples; {n_cached} cached in {cache.path}, "
+    log(f"generate {dataset}: {len(work.prompts)} prompts, {len(items)} samples; {n_cached} cached in {cache.path}, "
         f"{len(todo)} to request ({s.backend}, model {s.api_model})")
 
-    stats, failures = RunStats(total=0), {}
+    ledger = BudgetLedger(ledger_path(config["cache_dir"]))
+    server = None
+    job: GenerationJob | None = None
+    summary: dict[str, Any] = {"dataset": dataset, "backend": s.backend, "model": s.api_model}
+    reconciled: dict[str, Any] = {}
     try:
-        if todo:
-            api_base = g.get("api_base") or "https://openrouter.ai/api/v1"
-            if s.backend == "simulator":
-                from .simulator import SimulatorServer
+        rec = ledger.recover(dataset, cache.refs)
+        if rec["dead"] or rec["recovered"]:
+            log(f"budget ledger: {rec['dead']} reservation(s) of dead processes orphaned, {rec['recovered']} settled "
+                "from the response cache")
+        api_base = work.api_base
+        if todo and s.backend == "simulator":
+            from .simulator import SimulatorServer
 
-                sim = config.get("simulator") or {}
-                server = SimulatorServer(tokenizer, s.family, seed=int(sim.get("seed", 0)),
-                                         profile=sim.get("provider", "exact"), latency_ms=float(sim.get("latency_ms", 0)),
-                                         price_per_mtok=s.model.get("price_per_mtok")).start()
-                api_base = server.base_url
-            cs = ClientSettings.from_generation(g, api_base, s.backend, headers)
+            sim = config.get("simulator") or {}
+            server = SimulatorServer(tokenizer, s.family, seed=int(sim.get("seed", 0)), profile=sim.get("provider", "exact"),
+                                     latency_ms=float(sim.get("latency_ms", 0)),
+                                     price_per_mtok=s.model.get("price_per_mtok")).start()
+            api_base = server.base_url
+            work.url = api_base + "/chat/completions"
+        if s.backend in ("openrouter",) and ledger.orphans(dataset, with_generation_id=True):
+            reconciled["start"] = await reconcile_generations(ledger, api_base, headers, dataset)
+            log(f"budget ledger: orphaned reservations reconciled from /generation: {reconciled['start']}")
+        if todo and s.backend == "openrouter":
+            usage = await key_usage(api_base, headers)
+            if usage is not None:
+                ledger.add_key_snapshot(api_base, usage)
+        price = price_bound(s)
+        if todo:
+            estimator = PromptEstimator(tokenizer) if tokenizer is not None else load_estimator(config, s)
+            max_tokens = int(g.get("max_tokens", 4096))
+            reserve: dict[str, float] = {}
+            per_prompt: dict[str, int] = {}  # samples of one prompt share the estimate
+            for key, it in todo.items():
+                if it.prompt_id not in per_prompt:
+                    per_prompt[it.prompt_id] = estimator.count(it.chat_request.get("messages"), it.chat_request.get("tools"),
+                                                               it.chat_request.get("reasoning"))[1]
+                reserve[key] = price.cost(per_prompt[it.prompt_id], max_tokens)
+            if price.prompt == price.completion == 0 and s.backend == "openrouter" and config.get("budget_usd") is not None:
+                log(f"warning: {dataset}: price_per_mtok is 0, so reservations are $0 and budget_usd only counts settled "
+                    "costs: set models.<name>.price_per_mtok (or generation.provider.max_price) for a hard cap")
+            session = LedgerSession(ledger, dataset, config.get("budget_usd"), config["datasets"][dataset].get("budget_usd"),
+                                    {"backend": s.backend, "model": s.api_model,
+                                     "api_base": None if s.backend == "simulator" else api_base})
+            cs = ClientSettings.from_generation(g, work.url, s.backend, headers)
+            progress = Progress(f"generate {dataset}", len(todo), log, stream=progress_stream)
             cache.open()
+            job = GenerationJob(work, list(todo.values()), cs, cache, session, progress, log, reserve, price)
+            t_run, c_run = time.monotonic(), time.process_time()
             try:
-                stats, failures = await run_requests(list(todo.values()), cs, cache, log, config.get("budget_usd"))
-            except JobStopped as exc:
-                raise JobStopped(f"generate {dataset} stopped: {exc}. {len(cache.index)} responses are cached in "
-                                 f"{cache.path} and will not be requested again; fix the cause and rerun.") from None
+                await job.run()
+            finally:
+                job.run_s, job.run_cpu_s = time.monotonic() - t_run, time.process_time() - c_run
+                await session.close()
+                if progress.done != progress.total:
+                    progress.update(force=True)
+                progress.close()
+            if job.over_reservation:
+                log(f"warning: {job.over_reservation} response(s) cost more than their reserved worst case: "
+                    f"{price.source} is below the real price; raise it so the budget stays a hard cap")
+            if s.backend in ("openrouter", "simulator") and ledger.orphans(dataset, with_generation_id=True):
+                reconciled["end"] = await reconcile_generations(ledger, api_base, headers, dataset, timeout=5.0)
     finally:
         cache.close()
         if server is not None:
             server.stop()
+        totals = ledger.totals().get(dataset, {"spent": 0.0, "held": 0.0})
+        ledger.close()
 
-    if failures:
-        shown = "\n".join(f"  {i}: {p}" for i, p in list(failures.items())[:20])
-        more = f"\n  ... and {len(failures) - 20} more" if len(failures) > 20 else ""
-        raise GenerationError(f"generate {dataset}: {len(failures)} request(s) still failing after "
+    elapsed = time.monotonic() - t_start
+    summary.update({"samples": len(items), "cached": n_cached, "requested": len(todo),
+                    "http_requests": job.http_requests if job else 0,
+                    "ok": job.progress.ok if job else 0,
+                    "errors": ([{**e, "final": True} for e in job.final_errors]
+                               + [{"id": k, "error": v, "final": False} for k, v in job.failures.items()]) if job else [],
+                    "cost_usd": round(job.cost, 6) if job else 0.0,
+                    "prompt_tokens": job.prompt_tokens if job else 0, "completion_tokens": job.completion_tokens if job else 0,
+                    "ledger": {"spent_usd": round(totals["spent"], 6), "held_usd": round(totals["held"], 6),
+                               "reconciled": reconciled},
+                    "elapsed_s": round(elapsed, 3), "request_phase_s": round(job.run_s, 3) if job else 0.0,
+                    "request_phase_cpu_s": round(job.run_cpu_s, 3) if job else 0.0,
+                    "samples_per_s": round(len(todo) / elapsed, 2) if todo else None,
+                    "completion_tokens_per_s": round(job.completion_tokens / elapsed, 1) if job else None,
+                    "stopped": (job.stop_reason or job.interrupt) if job else None,
+                    "output": str(output_path), "cache": str(cache.path)})
+    write_json_atomic(Path(config["cache_dir"]) / dataset / "generation_summary.json", summary)
+    if job is not None and job.interrupt is not None:
+        raise Interrupted(f"generate {dataset} interrupted ({job.interrupt}): {len(job.finished)} response(s) received "
+                          f"this run; {len(cache.index)} cached in {cache.path} (consistent); a rerun requests only "
+                          "the rest.", job.signum)
+    if job is not None and job.stop_reason is not None:
+        raise JobStopped(f"generate {dataset} stopped: {job.stop_reason}. {len(cache.index)} responses are cached in "
+                         f"{cache.path} and will not be requested again; fix the cause and rerun.")
+    if job is not None and job.failures:
+        shown = "\n".join(f"  {i}: {p}" for i, p in list(job.failures.items())[:20])
+        more = f"\n  ... and {len(job.failures) - 20} more" if len(job.failures) > 20 else ""
+        raise GenerationError(f"generate {dataset}: {len(job.failures)} request(s) still failing after "
                               f"{g.get('max_attempts')} attempts (finished ones are cached in {cache.path}; "
                               f"a rerun requests only the failing ones):\n{shown}{more}")
 
@@ -541,17 +1106,16 @@ async def generate_dataset_async(config: Mapping[str, Any], dataset: str, output
                 yield _output_record(cache.get(it.cache_key, fh), it, error_ids)
 
     n_written = write_jsonl_atomic(output_path, records())
-    elapsed = time.monotonic() - t_start
-    summary = {"dataset": dataset, "backend": s.backend, "samples": n_written, "cached": n_cached,
-               "requested": len(todo), "http_requests": stats.http_requests, "ok": stats.ok,
-               "final_errors": len(error_ids), "cost_usd": round(stats.cost, 6), "elapsed_s": round(elapsed, 3),
-               "samples_per_s": round(len(todo) / elapsed, 2) if todo else None, "output": str(output_path),
-               "cache": str(cache.path)}
+    summary["samples"] = n_written
+    summary["final_errors"] = len(error_ids)
+    summary["final_error_ids"] = error_ids
+    if summary_path is not None:
+        write_json_atomic(summary_path, summary)
     if error_ids:
         log(f"warning: {len(error_ids)} sample(s) answered with a final (non-retryable) HTTP error, kept in the "
             f"output with status and body: {', '.join(error_ids[:10])}{' ...' if len(error_ids) > 10 else ''}")
-    log(f"generate {dataset}: wrote {n_written} records to {output_path} "
-        f"({len(todo)} requested, {stats.http_requests} HTTP requests, ${stats.cost:.4f}, {elapsed:.1f} s)")
+    log(f"generate {dataset}: wrote {n_written} records to {output_path} ({len(todo)} requested, "
+        f"{summary['http_requests']} HTTP requests, ${summary['cost_usd']:.4f}, {elapsed:.1f} s)")
     return summary
 
 
@@ -560,20 +1124,48 @@ def _output_record(rec: dict[str, Any], item: WorkItem, error_ids: list[str]) ->
     rec.update(id=item.id, prompt_id=item.prompt_id, sample_index=item.sample_index)
     if rec.get("status") != 200:
         error_ids.append(item.id)
-    return {k: rec.get(k) for k in RECORD_FIELDS}
+    out = {k: rec.get(k) for k in RECORD_FIELDS}
+    out.update({k: rec[k] for k in OPTIONAL_FIELDS if rec.get(k) is not None})
+    return out
 
 
-def generate_dataset(config: Mapping[str, Any], dataset: str, output_path: str | Path,
-                     log: Log = _stderr_log) -> dict[str, Any]:
-    """Generate ``results/{dataset}/responses.jsonl`` for a prompts dataset; returns a summary.
+def generate_dataset(config: Mapping[str, Any], dataset: str, output_path: str | Path, log: Log = _stderr_log,
+                     summary_path: str | Path | None = None, progress_stream: Any = None) -> dict[str, Any]:
+    """Generate ``results/{dataset}/responses.jsonl`` for a prompts dataset; returns a summary
+    (also written to ``summary_path`` and to ``{cache_dir}/{dataset}/generation_summary.json``).
 
     Backends: ``simulator`` (starts a :class:`~eagledata.simulator.SimulatorServer` on loopback
     with the dataset's model tokenizer and stops it at the end), ``openrouter`` (``api_base``, key
-    from ``OPENROUTER_API_KEY``), ``sglang`` (not implemented yet). Raises
+    from ``OPENROUTER_API_KEY``), ``sglang`` (``api_base`` = the SGLang server). Raises
     :class:`GenerationError` when some sample still fails after ``max_attempts`` (after the cache
-    is written, so a rerun retries only those), and :class:`JobStopped` on 401/402/budget.
+    is written, so a rerun retries only those), :class:`JobStopped` on 401/402/budget and
+    :class:`Interrupted` on SIGINT/SIGTERM/job timeout.
     """
-    return asyncio.run(generate_dataset_async(config, dataset, output_path, log))
+    return asyncio.run(generate_dataset_async(config, dataset, output_path, log, summary_path, progress_stream))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m eagledata.generate --config C --dataset D --output O``: the generate entry
+    outside Snakemake (same code path as the rule)."""
+    from .config import ConfigError, load_config
+    from .prompts import PromptFileError
+
+    ap = argparse.ArgumentParser(prog="python -m eagledata.generate", description="generate one dataset's responses")
+    ap.add_argument("--config", default="config/config.yaml")
+    ap.add_argument("--dataset", required=True)
+    ap.add_argument("--output", required=True)
+    ap.add_argument("--summary")
+    args = ap.parse_args(argv)
+    try:
+        config = load_config(args.config)
+        generate_dataset(config, args.dataset, args.output, summary_path=args.summary)
+    except Interrupted as exc:
+        print(f"eagledata generate: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except (GenerationError, PromptFileError, ConfigError) as exc:
+        print(f"eagledata generate: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -645,3 +1237,7 @@ def import_responses(source: str | Path, dataset: str, output_path: str | Path, 
         raise ResponsesFileError(f"{source}: no responses (file is empty or blank)")
     log(f"import {dataset}: {n} responses from {source} -> {output_path}")
     return {"dataset": dataset, "samples": n, "source": str(source), "output": str(output_path)}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""Generation client throughput against the stand-in, as ratios measured in one run.
+
+The stand-in (``python -m eagledata.simulator``) runs in a SEPARATE process with a fixed latency per
+request (default 50 ms); the generation job (the same code as the ``generate`` rule, with the budget
+ledger, the response cache and progress) runs here with ``concurrency`` workers (default 256). Printed:
+
+  throughput ratio = requests/s / (concurrency / latency)      target >= 0.9
+  client CPU       = this process's CPU time / wall time        target < 1 core
+
+Samples are ``--prompts`` distinct prompts x ``--samples`` each (identical bodies without a seed, so
+the stand-in answers from its completion memo and its own CPU is not what is measured).
+
+Usage: python benchmarks/generation_throughput.py [--requests 8192] [--concurrency 256] [--latency-ms 50]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tokenizer_dir(tmp: Path) -> Path:
+    shared = Path(os.environ.get("EAGLEDATA_SHARED", ROOT.parent / "shared")) / "tokenizers" / "kimi-k2.5"
+    if shared.exists():
+        return shared
+    from eagledata.demo_tokenizer import build_demo_tokenizer, default_corpus_path
+
+    out = tmp / "demo-tokenizer"
+    build_demo_tokenizer(default_corpus_path(), out)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=8192)
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=256)
+    ap.add_argument("--latency-ms", type=float, default=50.0)
+    ap.add_argument("--stream", action="store_true", help="SSE streams instead of JSON bodies")
+    args = ap.parse_args()
+
+    from eagledata.generate import generate_dataset
+
+    with tempfile.TemporaryDirectory(prefix="eagledata-bench-") as d:
+        tmp = Path(d)
+        tok = _tokenizer_dir(tmp)
+        port_file = tmp / "port"
+        server = subprocess.Popen([sys.executable, "-m", "eagledata.simulator", "--tokenizer", str(tok), "--family", "kimi-k2.5",
+                                   "--latency-ms", str(args.latency_ms), "--port-file", str(port_file),
+                                   "--content-tokens", "8", "24", "--reasoning-tokens", "8", "24"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            t0 = time.monotonic()
+            while not port_file.exists() or not port_file.read_text():
+                if server.poll() is not None or time.monotonic() - t0 > 60:
+                    raise SystemExit(f"stand-in did not start: {server.stderr.read().decode()[-2000:]}")
+                time.sleep(0.05)
+            base = f"http://127.0.0.1:{port_file.read_text()}/api/v1"
+            prompts = tmp / "prompts.jsonl"
+            prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": f"Question {i}?"}]}) + "\n"
+                                       for i in range(args.prompts)))
+            samples = max(1, args.requests // args.prompts)
+            config = {"cache_dir": str(tmp / "cache"), "results_dir": str(tmp / "results"), "budget_usd": 1000.0,
+                      "models": {"m": {"family": "kimi-k2.5", "tokenizer": str(tok), "api_model": "moonshotai/kimi-k2.5",
+                                       "price_per_mtok": {"prompt": 0.6, "completion": 2.5}}},
+                      "generation": {"api_base": base, "max_tokens": 256, "concurrency": args.concurrency,
+                                     "samples_per_prompt": samples, "stream": args.stream, "timeout_s": 60},
+                      "datasets": {"bench": {"prompts": str(prompts), "model": "m", "backend": "openrouter"}}}
+            os.environ.setdefault("OPENROUTER_API_KEY", "sk-or-v1-benchmark-not-a-real-key")
+            logs: list[str] = []
+            c0, w0 = time.process_time(), time.perf_counter()
+            summary = generate_dataset(config, "bench", tmp / "results" / "bench" / "responses.jsonl", log=logs.append)
+            wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+        finally:
+            server.terminate()
+            server.wait(timeout=10)
+    n = summary["requested"]
+    ideal = args.concurrency / (args.latency_ms / 1000)
+    phase = summary["request_phase_s"]
+    rate, whole = n / phase, n / wall
+    print(f"requests: {n} ({summary['http_requests']} HTTP), concurrency {args.concurrency}, latency {args.latency_ms:g} ms, "
+          f"{'SSE' if args.stream else 'JSON'}; request phase {phase:.2f} s, whole job {wall:.2f} s "
+          f"(+ tokenizer load, estimates, output file)")
+    print(f"throughput: {rate:,.0f} req/s = {rate / ideal:.3f} x concurrency/latency ({ideal:,.0f} req/s)   target >= 0.9"
+          f"   [whole job: {whole / ideal:.3f}]")
+    pcpu = summary["request_phase_cpu_s"]
+    print(f"client CPU: {cpu:.2f} s / {wall:.2f} s = {cpu / wall:.2f} core (process CPU time / wall, whole job); "
+          f"request phase {pcpu / phase:.2f} core   target < 1")
+    print(f"client cost: {1e6 * pcpu / n:.0f} us CPU per request, i.e. one core would sustain {n / pcpu:,.0f} req/s "
+          f"= {n / pcpu / ideal:.2f} x concurrency/latency")
+    print(f"machine load average while measuring: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

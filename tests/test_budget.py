@@ -1,0 +1,175 @@
+"""The budget ledger: reservations against global and per-dataset caps, settlement, orphans of dead
+processes and their reconciliation, two generate processes with 256 requests in flight each sharing
+one ledger, and the plan/budget commands."""
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+
+from eagledata.budget import BudgetExhausted, BudgetLedger, LedgerSession, Reserve, ledger_path
+from eagledata.cli import main as cli_main
+from eagledata.generate import generate_dataset, key_usage, reconcile_generations
+from eagledata.simulator import SimulatorServer
+from gen_helpers import API_KEY, generate_cmd, make_config, quiet, read_jsonl, spawn, write_prompts
+
+
+def reserve(ledger: BudgetLedger, ref: str, amount: float, dataset: str = "a", cap: float | None = 1.0,
+            ds_cap: float | None = None):
+    return ledger.apply([Reserve(ref, dataset, amount, cap, ds_cap)], [])[0]
+
+
+def test_reserve_settle_and_caps(tmp_path):
+    led = BudgetLedger(tmp_path / "b.sqlite")
+    assert reserve(led, "r1", 0.6).granted
+    d = reserve(led, "r2", 0.5)
+    assert not d.granted and "budget_usd 1" in d.reason and d.others_in_flight == 0
+    led.apply([], [("settle", "r1", {"cost": 0.1, "provider": "P"})])  # settles below its worst case: frees budget
+    assert reserve(led, "r2", 0.5).granted
+    assert led.totals() == {"a": {"spent": pytest.approx(0.1), "held": pytest.approx(0.5)}}
+    d = reserve(led, "r3", 0.2, dataset="b", ds_cap=0.1)
+    assert not d.granted and "datasets.b.budget_usd 0.1" in d.reason
+    led.apply([], [("orphan", "r2", {"note": "timeout"})])  # the answer was lost: still counted
+    assert not reserve(led, "r4", 0.5).granted
+    assert [r["ref"] for r in led.orphans()] == ["r2"]
+    report = {(r["dataset"], r["provider"]): r for r in led.report()}
+    assert report[("a", "P")]["spent_usd"] == pytest.approx(0.1) and report[("a", "(pending)")]["orphaned_usd"] == 0.5
+    assert led.release_orphans() == 1 and led.totals()["a"]["held"] == pytest.approx(0.0)
+    led.close()
+
+
+def test_dead_process_reservations_are_orphaned_then_recovered(tmp_path):
+    path = tmp_path / "b.sqlite"
+    code = ("import os, sys; from eagledata.budget import BudgetLedger, Reserve; l = BudgetLedger(sys.argv[1]); "
+            "[l.apply([Reserve(r, 'a', 0.25, 1.0, None)], []) for r in ('x1', 'x2')]; os._exit(0)")
+    subprocess.run([sys.executable, "-c", code, str(path)], check=True)
+    led = BudgetLedger(path)
+    d = reserve(led, "r1", 0.6)  # the dead process's 0.5 is still held
+    assert not d.granted and d.others_in_flight == 0  # ... as orphans, not as requests in flight
+    assert sorted(r["ref"] for r in led.orphans()) == ["x1", "x2"]
+    out = led.recover("a", {"x1": {"cost": 0.05, "provider": "P", "generation_id": "gen-1"}})
+    assert out["recovered"] == 1 and [r["ref"] for r in led.orphans()] == ["x2"]
+    assert led.totals()["a"] == {"spent": pytest.approx(0.05), "held": pytest.approx(0.25)}
+    led.close()
+
+
+def test_reconcile_from_generation_and_key_usage(tmp_path, k25):
+    tok, fam = k25
+    with SimulatorServer(tok, fam, seed=1) as sim:
+        import httpx
+
+        bodies = [{"model": "m", "messages": [{"role": "user", "content": f"q{i}"}], "max_tokens": 50} for i in range(3)]
+        gens = [httpx.post(sim.base_url + "/chat/completions", json=b).json()["id"] for b in bodies]
+        led = BudgetLedger(tmp_path / "b.sqlite")
+        led.add_key_snapshot(sim.base_url, 0.0)
+        for i, g in enumerate(gens):
+            reserve(led, f"r{i}", 0.01)
+            fields = {"api_base": sim.base_url, **({"generation_id": g} if i < 2 else {})}
+            led.apply([], [("note", f"r{i}", fields), ("orphan", f"r{i}", {})])
+        out = asyncio.run(reconcile_generations(led, sim.base_url, {}))
+        assert out == {"checked": 2, "settled": 2, "unknown": 0}
+        billed = [sim.generations[g].billed for g in gens]
+        assert led.totals()["a"]["spent"] == pytest.approx(billed[0] + billed[1])
+        usage = asyncio.run(key_usage(sim.base_url, {}))
+        assert usage == pytest.approx(sim.billed_usd)
+        res = led.reconcile_by_key_usage(sim.base_url, usage)  # the unexplained rest is the orphan's
+        assert res["settled"] == 1 and led.totals()["a"]["spent"] == pytest.approx(sum(billed))
+        assert led.totals()["a"]["held"] == pytest.approx(0.0)
+        led.close()
+
+
+def test_session_waits_for_settlements_then_stops(tmp_path):
+    """A reservation that does not fit waits while requests in flight may settle below their worst
+    case; with nothing in flight it fails with the cap and the amounts."""
+    led = BudgetLedger(tmp_path / "b.sqlite")
+    events: list[str] = []
+
+    async def run() -> None:
+        s = LedgerSession(led, "a", 1.0, None)
+        r1 = await s.reserve(0.6)
+
+        async def second() -> None:
+            r2 = await s.reserve(0.6)  # does not fit while r1 holds 0.6
+            events.append("granted")
+            s.settle(r2, 0.6)
+
+        t = asyncio.create_task(second())
+        await asyncio.sleep(0.05)
+        events.append("settling")
+        s.settle(r1, 0.1)  # frees 0.5
+        await t
+        with pytest.raises(BudgetExhausted, match=r"budget_usd 1: spent \$0.7000"):
+            await s.reserve(0.5)
+        await s.close()
+
+    asyncio.run(run())
+    assert events == ["settling", "granted"]
+    led.close()
+
+
+def test_budget_never_exceeded_two_datasets_in_parallel_256_in_flight(tmp_path, k25):
+    """Two generate processes (two datasets) with 256 requests in flight each share one ledger:
+    the stand-in never bills more than budget_usd, and the budget is used, not left idle."""
+    tok, fam = k25
+    price = {"prompt": 1.0, "completion": 10.0}
+    n = 320
+    with SimulatorServer(tok, fam, seed=5, latency_ms=150, price_per_mtok=price) as sim:
+        cfg = make_config(tmp_path, tmp_path / "unused", tok.source, api_base=sim.base_url, max_tokens=40,
+                          concurrency=256, timeout_s=60)
+        cfg["models"]["m"]["price_per_mtok"] = price
+        cfg["budget_usd"] = 0.25
+        cfg["datasets"] = {ds: {"prompts": str(write_prompts(tmp_path / f"{ds}.jsonl", n, tools_every=0, prefix=ds)),
+                                "model": "m", "backend": "openrouter"} for ds in ("a", "b")}
+        procs = [spawn(generate_cmd(cfg, tmp_path, ds, name=f"cfg-{ds}"), tmp_path / f"{ds}.log") for ds in ("a", "b")]
+        codes = [p.wait(120) for p in procs]
+        logs = [(tmp_path / f"{ds}.log").read_text() for ds in ("a", "b")]
+        assert set(codes) <= {0, 1} and 1 in codes, logs
+        assert all(c == 0 or "stopped: budget" in log for c, log in zip(codes, logs)), logs
+        assert sim.billed_usd <= cfg["budget_usd"] + 1e-9
+        assert sim.billed_usd >= 0.6 * cfg["budget_usd"]  # it spent most of it
+        assert sim.max_in_flight >= 256  # the two jobs really had hundreds of requests in flight
+        led = BudgetLedger(ledger_path(cfg["cache_dir"]))
+        totals = led.totals()
+        assert sum(t["spent"] for t in totals.values()) == pytest.approx(sim.billed_usd)
+        assert sum(t["held"] for t in totals.values()) == pytest.approx(0.0, abs=1e-12)
+        led.close()
+        cached = sum(len(read_jsonl(tmp_path / "cache" / ds / "responses.jsonl")) for ds in ("a", "b"))
+        assert cached == sim.requests_total  # every paid response is cached
+
+
+def test_plan_and_budget_commands(tmp_path, k25, capsys, monkeypatch):
+    tok, _ = k25
+    monkeypatch.setenv("OPENROUTER_API_KEY", API_KEY)
+    prompts = write_prompts(tmp_path / "p.jsonl", 6)
+    with SimulatorServer(tok, k25[1], seed=2) as sim:
+        cfg = make_config(tmp_path, prompts, tok.source, api_base=sim.base_url, max_tokens=100)
+        cfg["budget_usd"] = 2.0
+        cfg_path = tmp_path / "c.yaml"
+        generate_cmd(cfg, tmp_path, name="c")  # writes c.yaml
+        assert cli_main(["plan", "--config", str(cfg_path), "--json"]) == 0
+        p = json.loads(capsys.readouterr().out)
+        row = p["datasets"][0]
+        assert (row["samples"], row["cached"], row["to_request"]) == (6, 0, 6)
+        assert 0 < row["cost_low"] < row["cost_worst"] and row["prompt_estimate"] == "chat template"
+        assert sim.requests_total == 0  # planning sends nothing
+        generate_dataset(cfg, "d", tmp_path / "out.jsonl", log=quiet)
+        cfg["generation"]["max_tokens"] = 120
+        cfg_path.write_text(json.dumps(cfg))
+        assert cli_main(["plan", "--config", str(cfg_path)]) == 0
+        text = capsys.readouterr().out
+        assert "d " in text and "budget_usd 2: spent $" in text
+        cfg["generation"]["max_tokens"] = 100
+        cfg_path.write_text(json.dumps(cfg))
+        assert cli_main(["plan", "--config", str(cfg_path), "--json"]) == 0
+        p = json.loads(capsys.readouterr().out)
+        assert (p["datasets"][0]["cached"], p["datasets"][0]["to_request"]) == (6, 0)
+        assert p["spent_usd"] == pytest.approx(sim.billed_usd)
+        assert cli_main(["budget", "--config", str(cfg_path), "--json"]) == 0
+        b = json.loads(capsys.readouterr().out)
+        assert [(r["dataset"], r["provider"], r["attempts"]) for r in b["rows"]] == [("d", "Simulator", 6)]
+        assert b["totals"]["d"]["spent"] == pytest.approx(sim.billed_usd)
+        assert cli_main(["budget", "--config", str(cfg_path)]) == 0
+        assert "remaining $" in capsys.readouterr().out

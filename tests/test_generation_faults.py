@@ -1,0 +1,334 @@
+"""Generation at production grade, against the stand-in over real loopback HTTP: every fault kind,
+kill -9 and SIGTERM of a real generate subprocess, job timeout, request fidelity (what regenerates
+and what does not), secrets, progress, and the SGLang backend."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import signal
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from eagledata.generate import GenerationError, Interrupted, generate_dataset
+from eagledata.progress import Progress
+from eagledata.responses import parse_response
+from eagledata.simulator import SimulatorServer, prompt_hash
+from gen_helpers import API_KEY, generate_cmd, make_config, quiet, read_jsonl, spawn, write_prompts
+
+
+@pytest.fixture
+def key(monkeypatch):
+    monkeypatch.setenv("OPENROUTER_API_KEY", API_KEY)
+    return API_KEY
+
+
+@pytest.fixture
+def stand_in(k25):
+    servers: list[SimulatorServer] = []
+
+    def make(**kw) -> SimulatorServer:
+        tok, fam = k25
+        sim = SimulatorServer(tok, fam, seed=kw.pop("seed", 2), **kw).start()
+        servers.append(sim)
+        return sim
+
+    yield make
+    for s in servers:
+        s.stop()
+
+
+def ledger_rows(tmp: Path) -> list[tuple]:
+    db = sqlite3.connect(str(tmp / "cache" / "budget.sqlite"))
+    try:
+        return db.execute("SELECT state, reserved, cost, generation_id, note FROM reservations").fetchall()
+    finally:
+        db.close()
+
+
+def cache_lines(tmp: Path, dataset: str = "d") -> list[dict]:
+    path = tmp / "cache" / dataset / "responses.jsonl"
+    return read_jsonl(path) if path.exists() else []
+
+
+# --------------------------------------------------------------------------------------------
+# every fault kind: success after a retry, or a clear per-prompt error
+
+
+FAULTS = [("429:0.05", False), ("502", False), ("503", False), ("hang:5", False), ("error-in-200", False),
+          ("malformed", False), ("disconnect", False), ("reset", False), ("mid-stream", True), ("malformed", True),
+          ("error-in-200", True), ("reset", True)]
+
+
+@pytest.mark.parametrize("fault, stream", FAULTS)
+def test_each_fault_kind_is_retried_to_success(stand_in, tmp_path, key, fault, stream):
+    prompts = write_prompts(tmp_path / "p.jsonl", 5)
+    doomed = prompt_hash(json.loads(prompts.read_text().splitlines()[2]))
+    hit = []
+
+    def faults(n, body):  # the first request of prompt q002 fails
+        if prompt_hash(body) == doomed and not hit:
+            hit.append(n)
+            return fault
+        return None
+
+    sim = stand_in(faults=faults)
+    cfg = make_config(tmp_path, prompts, sim.tokenizer.source, api_base=sim.base_url, stream=stream, timeout_s=0.5,
+                      concurrency=2)
+    logs: list[str] = []
+    t0 = time.monotonic()
+    summary = generate_dataset(cfg, "d", tmp_path / "out.jsonl", log=logs.append)
+    recs = {r["id"]: r for r in read_jsonl(tmp_path / "out.jsonl")}
+    assert all(r["status"] == 200 and parse_response(r["response_raw"]).ok for r in recs.values())
+    assert recs["q002"]["attempts"] == 2 and sim.request_counts[doomed] == 2
+    assert summary["http_requests"] == 6 and sum("retrying" in m for m in logs) == 1
+    assert len(cache_lines(tmp_path)) == 5  # the failed attempt was never stored
+    if fault.startswith("429"):
+        assert time.monotonic() - t0 >= 0.05  # Retry-After honoured
+    if fault.startswith("hang"):
+        assert any("timeout after 0.5 s" in m for m in logs)
+    states = {r[0] for r in ledger_rows(tmp_path)}
+    assert states <= {"settled", "orphaned"} and "reserved" not in states
+
+
+@pytest.mark.parametrize("fault", ["502", "error-in-200", "mid-stream", "hang:5", "reset", "malformed"])
+def test_persistent_fault_is_a_clear_per_prompt_error(stand_in, tmp_path, key, fault):
+    prompts = write_prompts(tmp_path / "p.jsonl", 4)
+    doomed = prompt_hash(json.loads(prompts.read_text().splitlines()[1]))
+    sim = stand_in(faults=lambda n, body: fault if prompt_hash(body) == doomed else None)
+    cfg = make_config(tmp_path, prompts, sim.tokenizer.source, api_base=sim.base_url, stream=fault == "mid-stream",
+                      timeout_s=0.3, max_attempts=2)
+    with pytest.raises(GenerationError) as exc:
+        generate_dataset(cfg, "d", tmp_path / "out.jsonl", log=quiet)
+    msg = str(exc.value)
+    assert "1 request(s) still failing after 2 attempts" in msg and "q001:" in msg
+    what = {"502": "HTTP 502", "error-in-200": "error in 200 body", "mid-stream": "error in 200 stream",
+            "hang:5": "timeout after 0.3 s", "reset": "transport error", "malformed": "malformed"}[fault]
+    assert what in msg.split("q001:")[1].splitlines()[0], msg
+    assert len(cache_lines(tmp_path)) == 3 and sim.request_counts[doomed] == 2
+    summary = json.loads((tmp_path / "cache" / "d" / "generation_summary.json").read_text())
+    assert [e["id"] for e in summary["errors"]] == ["q001"] and what in summary["errors"][0]["error"]
+
+
+def test_final_4xx_and_401_are_reported_per_prompt(stand_in, tmp_path, key):
+    sim = stand_in(faults={2: "400", 3: "403"})
+    prompts = write_prompts(tmp_path / "p.jsonl", 6)
+    cfg = make_config(tmp_path, prompts, sim.tokenizer.source, api_base=sim.base_url, concurrency=1)
+    summary = generate_dataset(cfg, "d", tmp_path / "out.jsonl", summary_path=tmp_path / "s.json", log=quiet)
+    errors = json.loads((tmp_path / "s.json").read_text())["errors"]
+    assert [(e["id"], e["status"], e["final"]) for e in errors] == [("q001", 400, True), ("q002", 403, True)]
+    assert summary["final_errors"] == 2 and sim.requests_total == 6
+
+
+# --------------------------------------------------------------------------------------------
+# kill -9, SIGTERM, job timeout
+
+
+def _wait_lines(tmp: Path, n: int, proc, timeout: float = 30) -> None:
+    t0 = time.monotonic()
+    while len(cache_lines(tmp)) < n:
+        assert proc.poll() is None, "generate ended early"
+        assert time.monotonic() - t0 < timeout, "no progress"
+        time.sleep(0.01)
+
+
+def test_kill_9_then_rerun_loses_nothing(stand_in, tmp_path):
+    sim = stand_in(latency_ms=60)
+    prompts = write_prompts(tmp_path / "p.jsonl", 40)
+    concurrency = 6
+    cfg = make_config(tmp_path, prompts, sim.tokenizer.source, api_base=sim.base_url, concurrency=concurrency)
+    cmd = generate_cmd(cfg, tmp_path)
+    proc = spawn(cmd, tmp_path / "run1.log")
+    _wait_lines(tmp_path, random.Random(os.getpid()).randint(5, 30), proc)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(10) == -signal.SIGKILL
+    received = cache_lines(tmp_path)
+    before = dict(sim.request_counts)
+    assert 5 <= len(received) < 40
+
+    proc = spawn(cmd, tmp_path / "run2.log")
+    assert proc.wait(60) == 0, (tmp_path / "run2.log").read_text()
+    out = read_jsonl(tmp_path / "results" / "d" / "responses.jsonl")
+    assert [r["id"] for r in out] == [f"q{i:03d}" for i in range(40)]
+    assert all(r["status"] == 200 for r in out)
+    for rec in received:  # every response received before the kill: requested exactly once, ever
+        assert sim.request_counts[prompt_hash(rec["request"])] == 1
+    resent = [h for h, n in sim.request_counts.items() if n > 1]
+    assert all(before.get(h, 0) == 1 for h in resent)  # only prompts that were in flight at the kill
+    assert len(resent) <= concurrency
+    assert len(sim.request_counts) == 40
+    # the ledger: nothing left reserved; the killed requests whose generation id was recorded are
+    # reconciled from /generation; the total never under-counts what the stand-in billed
+    rows = ledger_rows(tmp_path)
+    assert not [r for r in rows if r[0] == "reserved"]
+    assert not [r for r in rows if r[0] == "orphaned" and r[3]]
+    counted = sum(r[2] if r[0] == "settled" else r[1] for r in rows)
+    assert counted >= sim.billed_usd - 1e-9
+
+
+def test_sigterm_drains_in_flight_and_leaves_the_cache_consistent(stand_in, tmp_path):
+    sim = stand_in(latency_ms=300)
+    prompts = write_prompts(tmp_path / "p.jsonl", 24)
+    cfg = make_config(tmp_path, prompts, sim.tokenizer.source, api_base=sim.base_url, concurrency=4)
+    cmd = generate_cmd(cfg, tmp_path)
+    proc = spawn(cmd, tmp_path / "run1.log")
+    _wait_lines(tmp_path, 4, proc)
+    time.sleep(0.1)  # requests are in flight
+    in_flight = sim.in_flight
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(20) == 128 + signal.SIGTERM
+    log = (tmp_path / "run1.log").read_text()
+    assert "received SIGTERM: draining" in log and "interrupted" in log
+    cached = cache_lines(tmp_path)  # every line is a whole record (read_jsonl parses each)
+    assert len(cached) == sim.requests_total  # every request sent was answered and cached: drained
+    assert in_flight >= 1 and len(cached) >= 4 + 1
+    rows = ledger_rows(tmp_path)
+    assert rows and all(r[0] == "settled" for r in rows)
+    proc = spawn(cmd, tmp_path / "run2.log")
+    assert proc.wait(60) == 0
+    assert sorted(sim.request_counts.values()) == [1] * 24
+
+
+def test_job_timeout_drains_and_rerun_resumes(stand_in, tmp_path, key):
+    sim = stand_in(latency_ms=150)
+    prompts = write_prompts(tmp_path / "p.jsonl", 20)
+    cfg = make_config(tmp_path, prompts, sim.tokenizer.source, api_base=sim.base_url, concurrency=2, job_timeout_s=0.4)
+    with pytest.raises(Interrupted, match="job timeout") as exc:
+        generate_dataset(cfg, "d", tmp_path / "out.jsonl", log=quiet)
+    assert exc.value.exit_code == 1
+    n = len(cache_lines(tmp_path))
+    assert 2 <= n < 20 and n == sim.requests_total
+    cfg["generation"]["job_timeout_s"] = None
+    summary = generate_dataset(cfg, "d", tmp_path / "out.jsonl", log=quiet)
+    assert summary["requested"] == 20 - n and sorted(sim.request_counts.values()) == [1] * 20
+
+
+# --------------------------------------------------------------------------------------------
+# request fidelity
+
+
+def test_changed_sampling_parameter_regenerates_only_affected_prompts(stand_in, tmp_path, key):
+    sim = stand_in()
+    pa = write_prompts(tmp_path / "a.jsonl", 6, prefix="a")
+    pb = write_prompts(tmp_path / "b.jsonl", 4, prefix="b")
+    cfg = make_config(tmp_path, pa, sim.tokenizer.source, api_base=sim.base_url, temperature=0.7)
+    cfg["datasets"] = {"a": {"prompts": str(pa), "model": "m", "backend": "openrouter"},
+                       "b": {"prompts": str(pb), "model": "m", "backend": "openrouter",
+                             "generation": {"temperature": 1.0}}}
+
+    def run() -> dict:
+        return {ds: generate_dataset(cfg, ds, tmp_path / ds / "out.jsonl", log=quiet)["requested"] for ds in ("a", "b")}
+
+    assert run() == {"a": 6, "b": 4}
+    cfg["generation"]["temperature"] = 0.8  # b overrides it: only a's prompts are affected
+    assert run() == {"a": 6, "b": 0}
+    cfg["generation"]["samples_per_prompt"] = 2  # sample 0 keeps its key: only the new samples
+    assert run() == {"a": 6, "b": 4}
+    cfg["datasets"]["b"]["generation"]["extra_body"] = {"top_k": 20}
+    assert run() == {"a": 0, "b": 8}
+    cfg["generation"].update(concurrency=1, timeout_s=7, max_attempts=9, backoff_base_s=0.5, job_timeout_s=600,
+                             drain_timeout_s=3)
+    cfg["budget_usd"] = 50.0
+    assert run() == {"a": 0, "b": 0}  # client, retry and budget settings regenerate nothing
+    assert sim.requests_total == 6 + 4 + 6 + 6 + 4 + 8
+
+
+def test_concurrency_and_timeouts_change_no_request(stand_in, tmp_path, key):
+    sim = stand_in()
+    prompts = write_prompts(tmp_path / "p.jsonl", 9)
+    outs = []
+    for i, (conc, timeout) in enumerate([(1, 5.0), (7, 60.0)]):
+        cfg = make_config(tmp_path / f"r{i}", prompts, sim.tokenizer.source, api_base=sim.base_url, concurrency=conc,
+                          timeout_s=timeout, seed=5, temperature=0.3)
+        generate_dataset(cfg, "d", tmp_path / f"out{i}.jsonl", log=quiet)
+        outs.append(read_jsonl(tmp_path / f"out{i}.jsonl"))
+    for a, b in zip(*outs):
+        assert a["request"] == b["request"] and a["cache_key"] == b["cache_key"]
+        pa, pb = parse_response(a["response_raw"]), parse_response(b["response_raw"])
+        assert (pa.content, pa.reasoning, pa.usage["completion_tokens"]) == (pb.content, pb.reasoning, pb.usage["completion_tokens"])
+
+
+# --------------------------------------------------------------------------------------------
+# secrets, malformed prompt files, progress
+
+
+def test_api_key_never_in_any_written_file(stand_in, tmp_path):
+    sim = stand_in(faults={2: "429", 3: "400", 5: "mid-stream", 6: "error-in-200"})
+    prompts = write_prompts(tmp_path / "p.jsonl", 8)
+    cfg = make_config(tmp_path, prompts, sim.tokenizer.source, api_base=sim.base_url, stream=True)
+    cmd = generate_cmd(cfg, tmp_path) + ["--summary", str(tmp_path / "results" / "d" / "generation_summary.json")]
+    proc = spawn(cmd, tmp_path / "run.log")
+    assert proc.wait(60) == 0, (tmp_path / "run.log").read_text()
+    assert f"Bearer {API_KEY}" in sim.authorizations
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    names = {p.name for p in files}
+    assert {"responses.jsonl", "budget.sqlite", "generation_summary.json", "run.log"} <= names
+    for p in files:
+        assert API_KEY.encode() not in p.read_bytes(), p
+
+
+def test_malformed_prompt_file_fails_with_file_line_field(tmp_path, k25):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"messages": [{"role": "user", "content": "ok"}]}\n{"messages": [{"role": "user"}]}\n')
+    cfg = make_config(tmp_path, prompts, k25[0].source, api_base="http://127.0.0.1:9/api/v1")
+    proc = spawn(generate_cmd(cfg, tmp_path), tmp_path / "run.log")
+    assert proc.wait(30) == 1
+    assert f"{prompts}:2:messages[0].content: missing" in (tmp_path / "run.log").read_text()
+
+
+def test_progress_plain_lines_and_tty_bar():
+    lines: list[str] = []
+    p = Progress("generate d", 20, lines.append, stream=io.StringIO(), tty=False, every_s=3600)
+    for _ in range(20):
+        p.done += 1
+        p.ok += 1
+        p.completion_tokens += 100
+        p.cost += 0.01
+        p.update()
+    assert len(lines) == 10 and lines[-1].startswith("generate d: 20/20 (100%)")
+    assert "tok/s" in lines[0] and "$0.0200" in lines[0] and "ETA" in lines[0] and "0 error(s)" in lines[0]
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    screen = Tty()
+    p = Progress("generate d", 4, lines.append, stream=screen)
+    p.done, p.final_errors = 1, 1
+    p.update(force=True)
+    p.close()
+    assert "\r" in screen.getvalue() and "[######" in screen.getvalue() and "1 error(s)" in screen.getvalue()
+
+
+# --------------------------------------------------------------------------------------------
+# SGLang backend against the stand-in speaking SGLang's shapes
+
+
+@pytest.mark.parametrize("endpoint, trim", [("chat", False), ("chat", True), ("generate", False), ("generate", True)])
+def test_sglang_backend_stores_the_generated_ids(stand_in, tmp_path, monkeypatch, endpoint, trim):
+    monkeypatch.delenv("OPENROUTER_API_KEY", raising=False)  # a local server needs no key
+    sim = stand_in(api="sglang", sglang_trim_stop=trim, faults={2: "503"})
+    prompts = write_prompts(tmp_path / "p.jsonl", 6)
+    cfg = make_config(tmp_path, prompts, sim.tokenizer.source, backend="sglang", api_base=sim.root_url + "/v1",
+                      sglang_endpoint=endpoint, stream=True)
+    summary = generate_dataset(cfg, "d", tmp_path / "out.jsonl", log=quiet)
+    assert summary["http_requests"] == 7
+    tok, eot = sim.tokenizer, sim.tokenizer.special_id(sim.family.end_of_turn)
+    for rec in read_jsonl(tmp_path / "out.jsonl"):
+        truth = sim.truth(f"gen-{rec['generation_id']}") if not rec["generation_id"].startswith("gen-") else sim.truth(rec["generation_id"])
+        assert rec["token_ids"] == truth["ids"]  # the ids the model generated, end of turn included
+        assert rec["token_ids"][-1] == eot and rec["token_ids_info"]["appended_stop"] is trim
+        assert rec["prompt_token_ids"] == truth["prompt_ids"] if endpoint == "chat" else "prompt_token_ids" not in rec
+        if endpoint == "chat":
+            assert rec["request"]["return_token_ids"] is True and rec["request"]["stream"] is False
+            assert "provider" not in rec["request"] and "chat_request" not in rec
+            parsed = parse_response(rec["response_raw"])
+            assert parsed.ok and parsed.completion_tokens == len(truth["ids"])
+        else:
+            assert rec["request"]["input_ids"] == truth["prompt_ids"] and rec["chat_request"]["messages"]
+            body = json.loads(rec["response_raw"])
+            assert tok.decode(rec["token_ids"]) == body["text"]  # special tokens kept, stop not trimmed
