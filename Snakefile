@@ -22,6 +22,7 @@ include: "rules/generate.smk"
 include: "rules/tokens.smk"
 include: "rules/validate.smk"
 include: "rules/extract.smk"
+include: "rules/export.smk"
 include: "rules/report.smk"
 
 
@@ -29,6 +30,7 @@ rule all:
     default_target: True
     input:
         all_targets(),
+        export_all_targets(),
         f"{RESULTS}/report.html",
         f"{RESULTS}/validation.json",
         f"{RESULTS}/routing_advice.yaml",
@@ -41,3 +43,4 @@ for _dataset in DATASETS:
             _dataset
         input:
             dataset_targets(_dataset),
+            export_targets(_dataset),

@@ -64,7 +64,7 @@ def all_targets():
 
 
 _clashes = set(DATASETS) & {"all", "generate", "import_responses", "tokens", "validate", "extract",
-                             "demo_tokenizer", "demo_model"}
+                             "demo_tokenizer", "demo_model", "report", "report_dataset", "export"}
 if _clashes:
     raise ValueError(f"config: dataset name(s) {sorted(_clashes)} clash with rule names; rename them")
 
@@ -84,3 +84,15 @@ def dataset_policy(wildcards):
 
 def dataset_max_bad_fraction(wildcards):
     return _validation_setting(wildcards, "max_bad_fraction")
+
+
+def export_targets(name):
+    """Trainer exports of dataset `name` (config export.specforge / export.speculators), only
+    where its hidden states are a target. rules/export.smk builds them."""
+    if f"{RESULTS}/{name}/hidden" not in dataset_targets(name):
+        return []
+    return [f"{RESULTS}/{name}/export/{kind}" for kind in ("specforge", "speculators") if config["export"][kind]]
+
+
+def export_all_targets():
+    return [t for name in DATASETS for t in export_targets(name)]

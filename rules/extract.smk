@@ -1,4 +1,4 @@
-# Hidden-state extraction (Hugging Face backend) and the tiny random demo model.
+# Hidden-state extraction (HF or SGLang backend) and the tiny random demo model.
 # Needs from rules/common.smk: RESULTS (config["results_dir"]) and weights_input(wildcards)
 # (the weights dir of the dataset's model).
 
@@ -24,10 +24,18 @@ rule extract:
         tokens=f"{RESULTS}/{{dataset}}/tokens",
         validation=f"{RESULTS}/{{dataset}}/validation.json",  # validation gates extraction
         weights=weights_input,
-        code="src/eagledata/extract.py",
+        code=["src/eagledata/extract.py", "src/eagledata/gpus.py", "src/eagledata/sglang_runner.py"],
     output:
         directory(f"{RESULTS}/{{dataset}}/hidden"),
+    params:
+        # what the shards contain: a change reruns extraction (device, batch size, GPUs do not)
+        layers=config["extraction"]["layers"],
+        final_norm=config["extraction"]["final_norm"],
+        dtype=config["extraction"]["dtype"],
+        compute_dtype=config["extraction"]["compute_dtype"],
+        backend=config["extraction"]["backend"],
     resources:
+        # Snakemake only counts GPUs (--resources gpu=8); the job claims concrete indices itself
         gpu=config["extraction"]["gpus_per_job"],
     threads: 2
     log:

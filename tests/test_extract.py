@@ -354,10 +354,11 @@ def test_empty_selection_and_missing_weights(tmp_path, token_rows, weights, mode
         ex.extract_dataset(tokens, tmp_path / "h2", tmp_path / "no-such-model", device="cpu")
 
 
-def test_claim_gpus_flock(tmp_path, monkeypatch):
+def test_claim_gpus_wrapper_raises_extraction_error(tmp_path, monkeypatch):
+    from eagledata import gpus
+
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setenv("CUDA_DEVICE_ORDER", "")
-    n_held = len(ex._HELD_LOCKS)
     try:
         assert ex.claim_gpus(0, tmp_path) == []
         assert ex.claim_gpus(1, tmp_path, candidates=["3", "5"]) == ["3"]
@@ -368,6 +369,137 @@ def test_claim_gpus_flock(tmp_path, monkeypatch):
         with pytest.raises(ex.ExtractionError, match="only 2 visible"):
             ex.claim_gpus(3, tmp_path, candidates=["3", "5"])
     finally:
-        for fh in ex._HELD_LOCKS[n_held:]:
-            fh.close()
-        del ex._HELD_LOCKS[n_held:]
+        gpus.release_all()
+
+
+# --------------------------------------------------------------------------- storage: index, sha256, disk space
+
+
+def test_index_and_output_sha256(fp32_out, token_rows):
+    root, manifest = fp32_out
+    hidden = root / "hidden"
+    assert manifest["complete"] is True and manifest["index"] == "index.parquet"
+    for entry in manifest["shards"]:
+        assert entry["sha256"] == hashlib.sha256((hidden / entry["file"]).read_bytes()).hexdigest()
+        assert entry["bytes"] == (hidden / entry["file"]).stat().st_size
+    idx = ex.read_index(hidden)
+    train = [(k, r) for k, rows in enumerate(token_rows) for r in rows if r["train"]]
+    assert idx["id"].to_list() == [r["id"] for _, r in train]
+    assert idx["sample"].to_list() == list(range(len(train)))
+    assert idx["shard"].to_list() == [f"shard-{k:05d}.safetensors" for k, _ in train]
+    assert idx["length"].to_list() == [len(r["input_ids"]) for _, r in train]
+    assert idx["prompt_len"].to_list() == [r["prompt_len"] for _, r in train]
+    # offset/length address the sample's rows: ids there are the sample's ids
+    for row in idx.iter_rows(named=True):
+        with safe_open(hidden / row["shard"], "pt") as f:
+            ids = f.get_slice("input_ids")[row["offset"]: row["offset"] + row["length"]]
+        want = next(r for _, r in train if r["id"] == row["id"])["input_ids"]
+        assert ids.tolist() == want
+
+
+def test_disk_space_checked_before_a_shard_starts(tmp_path, token_rows, weights, model, monkeypatch):
+    import shutil as _shutil
+    from collections import namedtuple
+
+    tokens = write_tokens(tmp_path / "tokens", [token_rows[1]])
+    n = sum(len(r["input_ids"]) for r in token_rows[1] if r["train"])
+    s = sum(1 for r in token_rows[1] if r["train"])
+    need = ex.estimate_shard_bytes(n, s, 3, 64, "float32")
+    assert need == n * (3 + 1) * 64 * 4 + n * 9 + (s + 1) * 8  # tokens x (layers + 1) x H x size + ids, mask, offsets
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(_shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(ex.ExtractionError, match=r"not enough disk space for .*shard-00000\.safetensors.*needs [\d,]+ bytes.*only 1,000 bytes"):
+        ex.extract_dataset(tokens, tmp_path / "h", weights, dtype="float32", device="cpu", model=model)
+    assert not list((tmp_path / "h").glob("shard-*"))
+    monkeypatch.setattr(_shutil, "disk_usage", lambda p: usage(10**12, 0, need + 20000))
+    with pytest.raises(ex.ExtractionError, match="reserve_disk_bytes"):
+        ex.extract_dataset(tokens, tmp_path / "h", weights, dtype="float32", device="cpu", model=model,
+                           reserve_disk_bytes=10**6)
+    ex.extract_dataset(tokens, tmp_path / "h", weights, dtype="float32", device="cpu", model=model)
+    assert (tmp_path / "h" / "shard-00000.safetensors").exists()
+
+
+_KILLED_CHILD = """
+import sys, time, torch
+from eagledata import extract as ex
+torch.set_num_threads(1)
+slow = ex.HFBackend.forward
+def forward(self, seqs, out_dtype):
+    time.sleep(0.25)
+    return slow(self, seqs, out_dtype)
+ex.HFBackend.forward = forward
+tokens, out, work, weights = sys.argv[1:5]
+ex.extract_dataset(tokens, out, weights, dtype="float32", device="cpu", batch_tokens=150, work_dir=work)
+"""
+
+
+def test_resume_after_kill_9(tmp_path, token_rows, weights, model):
+    """A real extraction subprocess is killed with SIGKILL after its first shard; the rerun keeps
+    that shard untouched (same bytes, same mtime, not recomputed), removes the half-written one
+    and finishes the rest."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    shards = [token_rows[0][:7], token_rows[1][:7], token_rows[0][7:]]
+    tokens = write_tokens(tmp_path / "tokens", shards)
+    out, work = tmp_path / "hidden", tmp_path / ".hidden.partial"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_CHILD, str(tokens), str(out), str(work), str(weights)],
+                            env=env, stderr=subprocess.PIPE)
+    first = work / "shard-00000.safetensors"
+    deadline = time.monotonic() + 120
+    while not first.exists():
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(0.3)  # into shard 1
+    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    assert not out.exists() and not (work / "shard-00002.safetensors").exists()
+    partial = json.loads((work / "manifest.json").read_text())
+    assert partial["complete"] is False and [s["file"] for s in partial["shards"]] == ["shard-00000.safetensors"]
+    before = (first.stat().st_mtime_ns, first.read_bytes())
+
+    manifest = ex.extract_dataset(tokens, out, weights, dtype="float32", device="cpu", batch_tokens=150,
+                                  work_dir=work, model=model)
+    assert not work.exists() and manifest["complete"]
+    assert [s.get("resumed", False) for s in manifest["shards"]] == [True, False, False]
+    kept = out / "shard-00000.safetensors"
+    assert (kept.stat().st_mtime_ns, kept.read_bytes()) == before
+    assert not list(out.glob("*.tmp-*"))
+    assert manifest["shards"][0]["sha256"] == partial["shards"][0]["sha256"]
+    ref = ex.extract_dataset(tokens, tmp_path / "ref", weights, dtype="float32", device="cpu", batch_tokens=150, model=model)
+    assert ref["tokens"] == manifest["tokens"]
+    for name in ("shard-00000.safetensors", "shard-00001.safetensors", "shard-00002.safetensors"):
+        a, b = load_file(out / name), load_file(tmp_path / "ref" / name)
+        for key in a:
+            torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=2e-6)
+
+
+# --------------------------------------------------------------------------- backend contract
+
+
+def test_hf_backend_contract(model):
+    """HFBackend.forward: per sample (aux [T, n, H], final [T, H]) in the requested dtype on the
+    CPU, equal to single-sample hooks; fp32 and bf16 output paths."""
+    dec = ex.find_decoder(model)
+    backend = ex.HFBackend(model, [1, 3, 4], "after")
+    assert (backend.num_layers, backend.hidden_size, backend.vocab_size) == (8, 64, VOCAB)
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, VOCAB, (t,), generator=g) for t in (17, 5, 30)]
+    for dtype, tol in ((torch.float32, dict(rtol=1e-5, atol=2e-6)), (torch.bfloat16, dict(rtol=8e-3, atol=1e-5))):
+        out = backend.forward(seqs, dtype)  # batched (padded); bf16 may differ by one rounding step
+        for s, (aux, final) in zip(seqs, out):
+            assert aux.shape == (len(s), 3, 64) and final.shape == (len(s), 64)
+            assert aux.dtype == final.dtype == dtype and aux.device.type == "cpu"
+            hooks, res = _hook_outputs(dec, s[None])
+            for j, i in enumerate([1, 3, 4]):
+                torch.testing.assert_close(aux[:, j].float(), hooks[i][0].to(dtype).float(), **tol)
+            torch.testing.assert_close(final.float(), res.last_hidden_state[0].to(dtype).float(), **tol)
+    with pytest.raises(ex.ExtractionError, match="backend captures layers"):
+        ex.as_backend(backend, [1, 2, 3], "after")
+    with pytest.raises(ex.ExtractionError, match="final_norm"):
+        ex.as_backend(backend, None, "before")

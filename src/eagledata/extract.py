@@ -1,17 +1,23 @@
-"""Hidden-state extraction (Hugging Face backend): token shards -> EAGLE-3 training tensors.
+"""Hidden-state extraction: token shards -> EAGLE-3 training tensors (token-major safetensors).
 
 Layer convention (the classic off-by-one, pinned by tests against forward hooks):
 
 * ``layers`` are 0-based decoder-layer indices meaning "the OUTPUT of decoder layer i" (the
   residual stream after layer i). That is Hugging Face ``output_hidden_states[i + 1]`` (entry 0 is
-  the embeddings) and what SGLang/vLLM name aux layer ``i + 1`` (the input of layer i + 1).
+  the embeddings) and what SGLang/vLLM name aux layer ``i + 1`` (the input of layer i + 1; SGLang's
+  ``set_eagle3_layers_to_capture(layers)`` stores ``layers_to_capture = [i + 1 for i in layers]``).
   Default ``[1, L//2 - 1, L - 4]``: ``[1, 29, 57]`` for L = 61 (HF/SGLang/vLLM ``[2, 30, 58]``).
   Exception: asking for ``i = L - 1`` gives that layer's raw output, whereas HF's last entry
   ``hidden_states[L]`` is the final-norm output.
 * ``final_norm="after"``: ``hidden_state`` is the output of the model's final norm (HF
-  ``hidden_states[-1]``; SpecForge's convention). ``"before"``: the raw output of the last decoder
-  layer (vLLM speculators' convention); HF's ``hidden_states`` never contains it, so it is taken
-  with a hook.
+  ``hidden_states[-1]``; SpecForge's convention: its trainer applies only ``lm_head``).
+  ``"before"``: the raw output of the last decoder layer (vLLM speculators' convention: vLLM aux id
+  ``L``); HF's ``hidden_states`` never contains it, so it is taken with a hook.
+
+Backends (:class:`ExtractionBackend`): :class:`HFBackend` here (any HF causal LM, device_map across
+the job's GPUs, no LM head / logits), and ``eagledata.sglang_runner.SGLangBackend`` (SGLang's model
+runner in-process, tensor parallel). Both return, per sample, ``aux`` [T, n_layers, H] and
+``final`` [T, H] with the semantics above; everything after that (layout, files) is shared.
 
 Output (one safetensors file per token shard, token-major; S samples, N tokens in total):
 
@@ -19,30 +25,35 @@ Output (one safetensors file per token shard, token-major; S samples, N tokens i
   ``prompt_len``), ``aux_hidden_states`` [N, n_layers, H] and ``hidden_state`` [N, H] in the target
   dtype, ``sample_offsets`` [S + 1] int64 (sample k is rows ``offsets[k]:offsets[k+1]``);
 * string metadata: ``sample_ids`` (JSON list), ``layers`` (JSON list), ``layer_semantics``,
-  ``final_norm``, ``dtype``, ``compute_dtype``, ``model_path``, ``model_fingerprint``,
+  ``final_norm``, ``dtype``, ``compute_dtype``, ``backend``, ``model_path``, ``model_fingerprint``,
   ``tokenizer_fingerprint``, ``source_file``, ``source_sha256``, ``samples``, ``tokens``,
   ``hidden_size``, ``num_layers``, ``format``.
 
-Files are streamed to disk (the header is computed up front from the token counts, so a shard's
-tensors are never all held in memory: K2.5 produces ~57 KB per token) and published atomically.
+Beside the shards: ``index.parquet`` (one row per sample: ``id``, ``shard``, ``row``, ``offset``,
+``length``, ``prompt_len``, ``sample``) and ``manifest.json`` (settings, per-shard counts, bytes and
+sha256 of every output shard).
 
-torch and transformers are imported inside functions so that :func:`claim_gpus` can set
-``CUDA_VISIBLE_DEVICES`` before torch is ever imported.
+Files are streamed to disk (the header is computed up front from the token counts, so a shard's
+tensors are never all held in memory: K2.5 produces ~57 KB per token), written by a background
+thread while the next batch runs, checked against free disk space before a shard starts, and
+published atomically (``shard.tmp-PID`` then ``os.replace``).
+
+torch and transformers are imported inside functions so that :func:`eagledata.gpus.claim_gpus` can
+set ``CUDA_VISIBLE_DEVICES`` before torch is ever imported.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import hashlib
 import json
 import logging
 import math
 import os
+import queue
 import shutil
 import struct
-import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +70,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 _ST_CODES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int64": "I64", "int8": "I8"}
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int8": 1}
 _TOKEN_COLUMNS = ["id", "input_ids", "prompt_len", "completion_len", "train"]
-DEFAULT_GPU_LOCK_DIR = os.environ.get("EAGLEDATA_GPU_LOCK_DIR", "/tmp/eagledata-gpu-locks")
+BACKENDS = ("hf", "sglang")
 
 
 class ExtractionError(Exception):
@@ -260,8 +271,9 @@ def _check_weights_dir(weights: str | Path) -> None:
 def load_model(weights: str | Path, compute_dtype: str = "auto", device: str = "auto") -> Any:
     """Load the model from a HF weights directory, in eval mode, on ``device``.
 
-    ``compute_dtype="auto"`` keeps the checkpoint's dtype. ``device="auto"`` with several visible
-    GPUs spreads the layers over them (``device_map="auto"``). Uses ``AutoModelForCausalLM``,
+    ``compute_dtype="auto"`` keeps the checkpoint's dtype (use ``"bfloat16"`` on GPUs).
+    ``device="auto"``/``"cuda"`` with several visible GPUs (the job's claimed ones) spreads the
+    layers over them (``device_map="auto"``). Uses ``AutoModelForCausalLM``,
     falling back to ``AutoModel`` for configs without a causal-LM class (e.g. ``kimi_k25``)."""
     import torch
     from transformers import AutoModel, AutoModelForCausalLM
@@ -272,7 +284,8 @@ def load_model(weights: str | Path, compute_dtype: str = "auto", device: str = "
         "dtype": "auto" if compute_dtype == "auto" else torch_dtype(compute_dtype),
         "local_files_only": True,
     }
-    spread = device == "auto" and dev == "cuda" and torch.cuda.device_count() > 1
+    # Several GPUs visible to this job (its claimed ones): spread the layers over them.
+    spread = device in ("auto", "cuda") and dev == "cuda" and torch.cuda.device_count() > 1
     if spread:
         kw["device_map"] = "auto"
     try:
@@ -379,6 +392,85 @@ def forward_batch(
     return [(aux[b, : lens[b]], final[b, : lens[b]]) for b in range(len(seqs))]
 
 
+# --------------------------------------------------------------------------- backends
+
+
+class ExtractionBackend:
+    """What extraction needs from a model, whatever runs it.
+
+    ``forward(seqs, out_dtype)`` takes 1-D int64 CPU tensors (one per sample, unpadded) and returns,
+    per sample and in order, ``(aux, final)`` on the CPU in ``out_dtype``: ``aux`` [T, len(layers), H]
+    with ``aux[:, j]`` the output of decoder layer ``layers[j]`` (0-based), ``final`` [T, H] the
+    final state after (``final_norm="after"``) or before (``"before"``) the model's final norm."""
+
+    name = "base"
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    layers: list[int]
+    final_norm: str
+    compute_dtype: str = "auto"
+
+    def forward(self, seqs: Sequence["torch.Tensor"], out_dtype: "torch.dtype") -> list[tuple["torch.Tensor", "torch.Tensor"]]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release the model (processes, GPU memory)."""
+
+
+class HFBackend(ExtractionBackend):
+    """A loaded Hugging Face model (any wrapper :func:`find_decoder` understands), run as the base
+    decoder only: the LM head never runs, so no logits are computed. Layers are captured with
+    forward hooks; padded batches are cast to ``out_dtype`` on the device and copied to the CPU
+    once per batch."""
+
+    name = "hf"
+
+    def __init__(self, model: Any, layers: Sequence[int] | None = None, final_norm: str = "after",
+                 compute_dtype: str = "auto"):
+        if final_norm not in FINAL_NORM_CHOICES:
+            raise ExtractionError(f"final_norm must be one of {FINAL_NORM_CHOICES}, got {final_norm!r}")
+        self.model = model
+        self.decoder = find_decoder(model)
+        self.num_layers = self.decoder.num_layers
+        self.hidden_size = self.decoder.hidden_size
+        self.vocab_size = int(self.decoder.module.get_input_embeddings().num_embeddings)
+        self.layers = resolve_layers(layers, self.num_layers)
+        self.final_norm = final_norm
+        self.compute_dtype = compute_dtype
+
+    def forward(self, seqs, out_dtype):
+        import torch
+
+        dev = self.decoder.module.get_input_embeddings().weight.device
+        lens = [int(s.numel()) for s in seqs]
+        t = max(lens)
+        ids = torch.zeros((len(seqs), t), dtype=torch.long)
+        mask = torch.zeros((len(seqs), t), dtype=torch.long)
+        for b, s in enumerate(seqs):
+            ids[b, : lens[b]] = s
+            mask[b, : lens[b]] = 1
+        aux, final = forward_hidden(self.decoder, ids.to(dev), mask.to(dev), self.layers, self.final_norm)
+        aux = aux.to(out_dtype).to("cpu")
+        final = final.to(out_dtype).to("cpu")
+        return [(aux[b, : lens[b]], final[b, : lens[b]]) for b in range(len(seqs))]
+
+    def close(self) -> None:
+        self.model = None
+
+
+def as_backend(model: Any, layers: Sequence[int] | None, final_norm: str, compute_dtype: str = "auto") -> ExtractionBackend:
+    """``model`` itself when it is a backend (its layers and final_norm must match), else an
+    :class:`HFBackend` around it."""
+    if isinstance(model, ExtractionBackend):
+        if layers is not None and list(layers) != list(model.layers):
+            raise ExtractionError(f"backend captures layers {model.layers}, extraction asked for {list(layers)}")
+        if final_norm != model.final_norm:
+            raise ExtractionError(f"backend final_norm {model.final_norm!r} != requested {final_norm!r}")
+        return model
+    return HFBackend(model, layers, final_norm, compute_dtype)
+
+
 # --------------------------------------------------------------------------- shards
 
 
@@ -464,6 +556,76 @@ def read_shard_metadata(path: str | Path) -> dict[str, str] | None:
 RESUME_KEYS = ("format", "source_sha256", "layers", "final_norm", "dtype", "compute_dtype", "model_fingerprint")
 
 
+def shard_specs(n_tokens: int, n_samples: int, n_layers: int, hidden: int, dtype: str) -> list[tuple[str, str, tuple[int, ...]]]:
+    """Tensor layout of one output shard (names, dtypes, shapes)."""
+    return [
+        ("input_ids", "int64", (n_tokens,)),
+        ("loss_mask", "int8", (n_tokens,)),
+        ("sample_offsets", "int64", (n_samples + 1,)),
+        ("aux_hidden_states", dtype, (n_tokens, n_layers, hidden)),
+        ("hidden_state", dtype, (n_tokens, hidden)),
+    ]
+
+
+def estimate_shard_bytes(n_tokens: int, n_samples: int, n_layers: int, hidden: int, dtype: str,
+                         header_bytes: int = 0) -> int:
+    """Exact data bytes of a shard (tokens x (n_layers + 1) x H x dtype size, plus ids, mask and
+    offsets) plus ``header_bytes``."""
+    return header_bytes + sum(math.prod(shape) * _ITEMSIZE[dt] for _, dt, shape in shard_specs(
+        n_tokens, n_samples, n_layers, hidden, dtype))
+
+
+def check_disk_space(path: str | Path, need_bytes: int, reserve_bytes: int = 0) -> None:
+    """Raise :class:`ExtractionError` naming ``path`` and the numbers when the filesystem holding
+    ``path`` has less than ``need_bytes + reserve_bytes`` free."""
+    path = Path(path)
+    probe = path if path.exists() else path.parent
+    free = shutil.disk_usage(probe).free
+    if free < need_bytes + reserve_bytes:
+        gib = 1 << 30
+        raise ExtractionError(
+            f"not enough disk space for {path}: the shard needs {need_bytes:,} bytes ({need_bytes / gib:.2f} GiB)"
+            + (f" + {reserve_bytes:,} reserved (extraction.reserve_disk_bytes)" if reserve_bytes else "")
+            + f", but only {free:,} bytes ({free / gib:.2f} GiB) are free on the filesystem of {probe}")
+
+
+class _BackgroundWriter:
+    """Writes rows on a thread so the next batch's forward overlaps the disk writes. At most
+    ``depth`` batches wait in the queue (bounded memory). The first write error is re-raised by
+    :meth:`put` or :meth:`finish`."""
+
+    def __init__(self, writer: SafetensorsStreamWriter, depth: int = 2):
+        self._writer = writer
+        self._q: queue.Queue = queue.Queue(maxsize=depth)
+        self._err: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="eagledata-shard-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            items = self._q.get()
+            if items is None:
+                return
+            if self._err is not None:
+                continue
+            try:
+                for name, row, tensor in items:
+                    self._writer.write_rows(name, row, tensor)
+            except BaseException as exc:  # noqa: BLE001 - handed to the producer thread
+                self._err = exc
+
+    def put(self, items: list[tuple[str, int, Any]]) -> None:
+        if self._err is not None:
+            raise self._err
+        self._q.put(items)
+
+    def finish(self) -> None:
+        self._q.put(None)
+        self._thread.join()
+        if self._err is not None:
+            raise self._err
+
+
 def extract_shard(
     model: Any,
     src: str | Path,
@@ -478,33 +640,32 @@ def extract_shard(
     model_path: str = "",
     model_fp: str = "",
     compute_dtype: str = "auto",
+    reserve_disk_bytes: int = 0,
 ) -> dict[str, Any]:
     """Extract one token shard ``src`` into the safetensors file ``dst`` (format in the module
     docstring), written to ``dst.tmp-PID`` and published with ``os.replace``.
 
-    ``model``: a loaded HF model (any wrapper :func:`find_decoder` understands). Samples are the
-    shard's ``train`` rows in shard order; batching (:func:`plan_batches`) does not change values
-    beyond float rounding of different batch shapes. Returns per-shard stats (samples, tokens,
-    seconds, forward_seconds, tokens_per_s)."""
-    import numpy as np
+    ``model``: an :class:`ExtractionBackend`, or a loaded HF model (wrapped in :class:`HFBackend`).
+    Samples are the shard's ``train`` rows in shard order; batching (:func:`plan_batches`) does not
+    change values beyond float rounding of different batch shapes. Before anything is written the
+    free disk space is checked against the shard's exact size (+ ``reserve_disk_bytes``). Returns
+    per-shard stats (samples, tokens, seconds, forward_seconds, tokens_per_s)."""
     import torch
 
     src, dst = Path(src), Path(dst)
-    decoder = find_decoder(model)
-    layers = resolve_layers(layers, decoder.num_layers)
+    backend = as_backend(model, layers, final_norm, compute_dtype)
+    layers = backend.layers
     out_dtype = torch_dtype(dtype)
-    if final_norm not in FINAL_NORM_CHOICES:
-        raise ExtractionError(f"final_norm must be one of {FINAL_NORM_CHOICES}, got {final_norm!r}")
     source_sha256 = source_sha256 or sha256_file(src)
     t0 = time.perf_counter()
     shard = read_token_shard(src)
-    vocab = decoder.module.get_input_embeddings().num_embeddings
+    vocab = backend.vocab_size
     if shard.input_ids.size and (shard.input_ids.min() < 0 or shard.input_ids.max() >= vocab):
         raise ExtractionError(
             f"{src}: token ids outside [0, {vocab}) of the model's embedding "
             f"(min {shard.input_ids.min()}, max {shard.input_ids.max()}): wrong model for this tokenizer?"
         )
-    n, s, h, nl = int(shard.offsets[-1]), len(shard.ids), decoder.hidden_size, len(layers)
+    n, s, h, nl = int(shard.offsets[-1]), len(shard.ids), backend.hidden_size, len(layers)
     meta = {
         "format": FORMAT,
         "sample_ids": json.dumps(shard.ids, ensure_ascii=False),
@@ -513,6 +674,7 @@ def extract_shard(
         "final_norm": final_norm,
         "dtype": dtype,
         "compute_dtype": compute_dtype,
+        "backend": backend.name,
         "model_path": str(model_path),
         "model_fingerprint": model_fp,
         "tokenizer_fingerprint": tokenizer_fingerprint,
@@ -521,35 +683,41 @@ def extract_shard(
         "samples": str(s),
         "tokens": str(n),
         "hidden_size": str(h),
-        "num_layers": str(decoder.num_layers),
+        "num_layers": str(backend.num_layers),
     }
-    specs = [
-        ("input_ids", "int64", (n,)),
-        ("loss_mask", "int8", (n,)),
-        ("sample_offsets", "int64", (s + 1,)),
-        ("aux_hidden_states", dtype, (n, nl, h)),
-        ("hidden_state", dtype, (n, h)),
-    ]
+    specs = shard_specs(n, s, nl, h, dtype)
     dst.parent.mkdir(parents=True, exist_ok=True)
+    # header is < 100 bytes per sample (ids) + a few KB: count it generously
+    need = estimate_shard_bytes(n, s, nl, h, dtype, header_bytes=len(meta["sample_ids"]) + 16384)
+    check_disk_space(dst, need, reserve_disk_bytes)
     tmp = dst.with_name(f"{dst.name}.tmp-{os.getpid()}")
     writer = SafetensorsStreamWriter(tmp, specs, meta)
+    bg: _BackgroundWriter | None = None
     fwd_s = 0.0
     try:
         writer.write_rows("input_ids", 0, torch.from_numpy(shard.input_ids))
         writer.write_rows("loss_mask", 0, torch.from_numpy(loss_mask_for(shard.prompt_lens, shard.offsets)))
         writer.write_rows("sample_offsets", 0, torch.from_numpy(shard.offsets))
+        bg = _BackgroundWriter(writer)
         all_ids = torch.from_numpy(shard.input_ids)
         for batch in plan_batches(shard.lengths, batch_tokens):
             seqs = [all_ids[int(shard.offsets[k]) : int(shard.offsets[k + 1])] for k in batch]
             tf = time.perf_counter()
-            results = forward_batch(decoder, seqs, layers, final_norm)
+            results = backend.forward(seqs, out_dtype)
             fwd_s += time.perf_counter() - tf
+            items = []
             for k, (aux, final) in zip(batch, results):
-                writer.write_rows("aux_hidden_states", int(shard.offsets[k]), aux.to(out_dtype))
-                writer.write_rows("hidden_state", int(shard.offsets[k]), final.to(out_dtype))
+                items.append(("aux_hidden_states", int(shard.offsets[k]), aux))
+                items.append(("hidden_state", int(shard.offsets[k]), final))
+            bg.put(items)
+        bg.finish()
+        bg = None
         writer.close()
         os.replace(tmp, dst)
     except BaseException:
+        if bg is not None:
+            with contextlib.suppress(BaseException):
+                bg.finish()
         writer.abort()
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
@@ -601,6 +769,76 @@ def _text_config(weights: str | Path) -> Any:
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
+def _file_sha256(path: Path, previous: dict[str, dict[str, Any]]) -> str:
+    """sha256 of an output shard, reusing the previous manifest's value when the file's size and
+    mtime are unchanged (hashing tens of GB again on every resume is not free)."""
+    st = path.stat()
+    old = previous.get(path.name)
+    if old and old.get("sha256") and old.get("bytes") == st.st_size and old.get("mtime_ns") == st.st_mtime_ns:
+        return old["sha256"]
+    return sha256_file(path)
+
+
+def write_index(out: str | Path, shards: Sequence[dict[str, Any]], target: str | Path) -> int:
+    """Write ``index.parquet`` (atomically) from the output shards' headers: one row per sample,
+    columns ``id``, ``shard``, ``row`` (index within the shard), ``offset`` and ``length`` (token
+    rows in the shard), ``prompt_len``, ``sample`` (global index, shard order). Returns the rows."""
+    import numpy as np
+    import polars as pl
+    from safetensors import safe_open
+
+    cols: dict[str, list] = {k: [] for k in ("id", "shard", "row", "offset", "length", "prompt_len", "sample")}
+    g = 0
+    for entry in shards:
+        path = Path(target) / entry["file"]
+        with safe_open(str(path), "pt") as f:
+            ids = json.loads(f.metadata()["sample_ids"])
+            offsets = f.get_tensor("sample_offsets").numpy()
+            mask = f.get_slice("loss_mask")
+            for r, sid in enumerate(ids):
+                a, b = int(offsets[r]), int(offsets[r + 1])
+                m = mask[a:b].numpy()
+                nz = np.flatnonzero(m)
+                cols["id"].append(sid)
+                cols["shard"].append(entry["file"])
+                cols["row"].append(r)
+                cols["offset"].append(a)
+                cols["length"].append(b - a)
+                cols["prompt_len"].append(int(nz[0]) if nz.size else b - a)
+                cols["sample"].append(g)
+                g += 1
+    df = pl.DataFrame(cols, schema={"id": pl.Utf8, "shard": pl.Utf8, "row": pl.Int64, "offset": pl.Int64,
+                                    "length": pl.Int64, "prompt_len": pl.Int64, "sample": pl.Int64})
+    out = Path(out)
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    df.write_parquet(tmp)
+    os.replace(tmp, out)
+    return len(df)
+
+
+def read_index(hidden_dir: str | Path) -> Any:
+    """``hidden_dir/index.parquet`` as a polars DataFrame (see :func:`write_index`)."""
+    import polars as pl
+
+    path = Path(hidden_dir) / "index.parquet"
+    if not path.exists():
+        raise ExtractionError(f"hidden-state index not found: {path}")
+    return pl.read_parquet(path)
+
+
+def make_backend(kind: str, weights: str | Path, layers: Sequence[int] | None, final_norm: str,
+                 compute_dtype: str = "auto", device: str = "auto", **options: Any) -> ExtractionBackend:
+    """Load the model behind backend ``kind`` (``"hf"`` or ``"sglang"``). ``options`` go to the
+    SGLang backend (``tp_size``, ``mem_fraction_static``, ``server_args``)."""
+    if kind == "hf":
+        return HFBackend(load_model(weights, compute_dtype, device), layers, final_norm, compute_dtype)
+    if kind == "sglang":
+        from .sglang_runner import SGLangBackend
+
+        return SGLangBackend.launch(weights, layers, final_norm, compute_dtype=compute_dtype, **options)
+    raise ExtractionError(f"extraction backend must be one of {BACKENDS}, got {kind!r}")
+
+
 def extract_dataset(
     tokens_dir: str | Path,
     out_dir: str | Path,
@@ -614,15 +852,20 @@ def extract_dataset(
     compute_dtype: str = "auto",
     work_dir: str | Path | None = None,
     model: Any = None,
+    backend: str = "hf",
+    backend_options: dict[str, Any] | None = None,
+    reserve_disk_bytes: int = 0,
 ) -> dict[str, Any]:
-    """Extract every shard of ``tokens_dir/manifest.json`` into ``out_dir`` and write
-    ``out_dir/manifest.json``. Returns the manifest.
+    """Extract every shard of ``tokens_dir/manifest.json`` into ``out_dir``; write
+    ``index.parquet`` and ``manifest.json`` there. Returns the manifest.
 
     * Every token shard's sha256 is verified before the model is loaded.
-    * The model is loaded once (:func:`load_model`; ``model`` may be passed in instead), and not at
-      all when every output shard is already done.
+    * The model is loaded once (:func:`make_backend`; ``model`` may be passed in instead: a HF
+      model or an :class:`ExtractionBackend`), and not at all when every output shard is done.
     * Resume: an existing output shard whose metadata matches on :data:`RESUME_KEYS` (source
-      sha256, layers, final_norm, dtype, compute dtype, model fingerprint) is kept untouched.
+      sha256, layers, final_norm, dtype, compute dtype, model fingerprint) is kept untouched. After
+      each shard ``manifest.json`` is rewritten (``"complete": false``) so a resumed run reuses the
+      sha256 of finished shards; leftover ``*.tmp-PID`` files of a killed run are removed.
     * Files in the output directory that belong to no current shard are removed.
     * ``work_dir``: write there and finally rename it to ``out_dir`` (for Snakemake, which deletes a
       failed job's declared outputs: an undeclared ``work_dir`` survives for the next try).
@@ -631,6 +874,8 @@ def extract_dataset(
     """
     if final_norm not in FINAL_NORM_CHOICES:
         raise ExtractionError(f"final_norm must be one of {FINAL_NORM_CHOICES}, got {final_norm!r}")
+    if backend not in BACKENDS:
+        raise ExtractionError(f"extraction backend must be one of {BACKENDS}, got {backend!r}")
     torch_dtype(dtype)
     if compute_dtype != "auto":
         torch_dtype(compute_dtype)
@@ -653,69 +898,97 @@ def extract_dataset(
         "compute_dtype": compute_dtype,
         "model_fingerprint": fp,
     }
-    log.info("extracting %s -> %s: layers %s, final_norm %s, dtype %s, model %s",
-             tokens_dir, out_dir, layers, final_norm, dtype, weights)
+    log.info("extracting %s -> %s: backend %s, layers %s, final_norm %s, dtype %s, model %s",
+             tokens_dir, out_dir, backend, layers, final_norm, dtype, weights)
+    for stale in target.glob("*.tmp-*"):
+        log.info("removing leftover %s of an interrupted run", stale)
+        stale.unlink()
+    previous: dict[str, dict[str, Any]] = {}
+    with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError):
+        previous = {e["file"]: e for e in json.loads((target / "manifest.json").read_text())["shards"]}
+
+    def manifest_for(shards_out: list[dict[str, Any]], complete: bool) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "complete": complete,
+            "dataset": tmanifest.get("dataset"),
+            "shards": shards_out,
+            "tokens": sum(s["tokens"] for s in shards_out),
+            "samples": sum(s["samples"] for s in shards_out),
+            "layers": layers,
+            "layer_semantics": layer_semantics(layers, final_norm),
+            "final_norm": final_norm,
+            "dtype": dtype,
+            "compute_dtype": compute_dtype,
+            "backend": backend,
+            "hidden_size": hidden,
+            "num_layers": num_layers,
+            "model_path": str(weights),
+            "model_fingerprint": fp,
+            "tokenizer_fingerprint": tok_fp,
+            "index": "index.parquet",
+            "tensors": {
+                "input_ids": "[N] int64",
+                "loss_mask": "[N] int8, 1 on completion tokens",
+                "aux_hidden_states": f"[N, {len(layers)}, {hidden}] {dtype}",
+                "hidden_state": f"[N, {hidden}] {dtype}",
+                "sample_offsets": "[S+1] int64",
+            },
+        }
 
     shards_out: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     new_tokens = 0
-    for entry in tmanifest.get("shards", []):
-        src = tokens_dir / entry["file"]
-        dst = target / output_name(entry["file"])
-        meta = read_shard_metadata(dst) if dst.exists() else None
-        if meta is not None and all(meta.get(k) == v for k, v in {**want, "source_sha256": entry["sha256"]}.items()):
-            log.info("%s: done already (source sha256 and settings match), skipped", dst.name)
-            stats = {"file": dst.name, "source": src.name, "source_sha256": entry["sha256"],
-                     "samples": int(meta["samples"]), "tokens": int(meta["tokens"]), "resumed": True}
-        else:
-            if model is None:
-                log.info("loading model %s (device %s, compute dtype %s)", weights, device, compute_dtype)
-                model = load_model(weights, compute_dtype, device)
-            stats = extract_shard(
-                model, src, dst, layers=layers, final_norm=final_norm, dtype=dtype, batch_tokens=batch_tokens,
-                source_sha256=entry["sha256"], tokenizer_fingerprint=tok_fp, model_path=str(weights),
-                model_fp=fp, compute_dtype=compute_dtype,
-            )
-            new_tokens += stats["tokens"]
-        stats["bytes"] = dst.stat().st_size
-        shards_out.append(stats)
+    runner: ExtractionBackend | None = None
+    own_runner = False
+    try:
+        for entry in tmanifest.get("shards", []):
+            src = tokens_dir / entry["file"]
+            dst = target / output_name(entry["file"])
+            meta = read_shard_metadata(dst) if dst.exists() else None
+            if meta is not None and all(meta.get(k) == v for k, v in {**want, "source_sha256": entry["sha256"]}.items()):
+                log.info("%s: done already (source sha256 and settings match), skipped", dst.name)
+                stats = {"file": dst.name, "source": src.name, "source_sha256": entry["sha256"],
+                         "samples": int(meta["samples"]), "tokens": int(meta["tokens"]), "resumed": True}
+            else:
+                if runner is None:
+                    if model is not None:
+                        runner = as_backend(model, layers, final_norm, compute_dtype)
+                    else:
+                        log.info("loading model %s (backend %s, device %s, compute dtype %s)",
+                                 weights, backend, device, compute_dtype)
+                        runner = make_backend(backend, weights, layers, final_norm, compute_dtype, device,
+                                              **(backend_options or {}))
+                        own_runner = True
+                stats = extract_shard(
+                    runner, src, dst, layers=layers, final_norm=final_norm, dtype=dtype, batch_tokens=batch_tokens,
+                    source_sha256=entry["sha256"], tokenizer_fingerprint=tok_fp, model_path=str(weights),
+                    model_fp=fp, compute_dtype=compute_dtype, reserve_disk_bytes=reserve_disk_bytes,
+                )
+                new_tokens += stats["tokens"]
+            st = dst.stat()
+            stats["bytes"] = st.st_size
+            stats["mtime_ns"] = st.st_mtime_ns
+            stats["sha256"] = _file_sha256(dst, previous)
+            shards_out.append(stats)
+            _atomic_write_text(target / "manifest.json",
+                               json.dumps(manifest_for(shards_out, False), indent=2, ensure_ascii=False) + "\n")
+    finally:
+        if own_runner and runner is not None:
+            runner.close()
 
-    keep = {s["file"] for s in shards_out} | {"manifest.json"}
+    keep = {s["file"] for s in shards_out} | {"manifest.json", "index.parquet"}
     for p in target.iterdir():
         if p.name not in keep and p.is_file():
             log.info("removing stale %s", p)
             p.unlink()
-
-    elapsed = time.perf_counter() - t0
-    manifest = {
-        "format": FORMAT,
-        "dataset": tmanifest.get("dataset"),
-        "shards": shards_out,
-        "tokens": sum(s["tokens"] for s in shards_out),
-        "samples": sum(s["samples"] for s in shards_out),
-        "layers": layers,
-        "layer_semantics": layer_semantics(layers, final_norm),
-        "final_norm": final_norm,
-        "dtype": dtype,
-        "compute_dtype": compute_dtype,
-        "hidden_size": hidden,
-        "num_layers": num_layers,
-        "model_path": str(weights),
-        "model_fingerprint": fp,
-        "tokenizer_fingerprint": tok_fp,
-        "tensors": {
-            "input_ids": "[N] int64",
-            "loss_mask": "[N] int8, 1 on completion tokens",
-            "aux_hidden_states": f"[N, {len(layers)}, {hidden}] {dtype}",
-            "hidden_state": f"[N, {hidden}] {dtype}",
-            "sample_offsets": "[S+1] int64",
-        },
-    }
+    write_index(target / "index.parquet", shards_out, target)
+    manifest = manifest_for(shards_out, True)
     _atomic_write_text(target / "manifest.json", json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
     if work_dir is not None:
         publish_dir(target, out_dir)
     log.info("done: %d samples, %d tokens (%d newly extracted) in %.1f s",
-             manifest["samples"], manifest["tokens"], new_tokens, elapsed)
+             manifest["samples"], manifest["tokens"], new_tokens, time.perf_counter() - t0)
     return manifest
 
 
@@ -731,62 +1004,13 @@ def publish_dir(src: str | Path, dst: str | Path) -> None:
 
 # --------------------------------------------------------------------------- GPU claiming
 
-_HELD_LOCKS: list[Any] = []
 
+def claim_gpus(n: int, lock_dir: str | Path | None = None, timeout_s: float = 24 * 3600, poll_s: float = 2.0,
+               candidates: Iterable[str] | None = None) -> list[str]:
+    """:func:`eagledata.gpus.claim_gpus`, raising :class:`ExtractionError` on failure."""
+    from . import gpus
 
-def _gpu_candidates() -> list[str]:
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return [g.strip() for g in visible.split(",") if g.strip() and g.strip() != "-1"]
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return [line.strip() for line in out.splitlines() if line.strip()]
-
-
-def claim_gpus(n: int, lock_dir: str | Path = DEFAULT_GPU_LOCK_DIR, timeout_s: float = 24 * 3600,
-               poll_s: float = 5.0, candidates: Iterable[str] | None = None) -> list[str]:
-    """Claim ``n`` GPUs for this process and set ``CUDA_VISIBLE_DEVICES`` to them.
-
-    Snakemake's ``resources: gpu=N`` only limits how many jobs run at once; it assigns no device.
-    Each GPU is claimed by a non-blocking ``flock`` on ``lock_dir/gpu-<id>.lock``, held until this
-    process exits. Must run before torch initialises CUDA (this module imports torch lazily for
-    that reason). Candidates: ``CUDA_VISIBLE_DEVICES`` if set, else ``nvidia-smi``'s indices
-    (``CUDA_DEVICE_ORDER=PCI_BUS_ID`` is set so they match CUDA ordinals). Returns the claimed ids;
-    ``[]`` when ``n <= 0`` or no GPU is visible. Waits up to ``timeout_s`` for busy GPUs."""
-    cands = list(candidates) if candidates is not None else _gpu_candidates()
-    if n <= 0 or not cands:
-        return []
-    if n > len(cands):
-        raise ExtractionError(f"{n} GPUs requested per job, only {len(cands)} visible: {cands}")
-    lock_dir = Path(lock_dir)
-    lock_dir.mkdir(parents=True, exist_ok=True)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        held: list[tuple[str, Any]] = []
-        for g in cands:
-            fh = open(lock_dir / f"gpu-{g}.lock", "a+")
-            try:
-                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                fh.close()
-                if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                    raise
-                continue
-            held.append((g, fh))
-            if len(held) == n:
-                break
-        if len(held) == n:
-            _HELD_LOCKS.extend(fh for _, fh in held)
-            ids = [g for g, _ in held]
-            os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
-            log.info("claimed GPUs %s (locks in %s)", ids, lock_dir)
-            return ids
-        for _, fh in held:
-            fh.close()
-        if time.monotonic() > deadline:
-            raise ExtractionError(f"could not claim {n} free GPUs of {cands} within {timeout_s} s (locks in {lock_dir})")
-        time.sleep(poll_s)
+        return gpus.claim_gpus(n, lock_dir, timeout_s=timeout_s, poll_s=poll_s, candidates=candidates)
+    except gpus.GpuClaimError as exc:
+        raise ExtractionError(str(exc)) from None
