@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from eagledata.families import get_family
-from eagledata.simulator import PROFILES, CompletionModel, SimulatorServer
+from eagledata.simulator import PROFILES, SimulatorServer
 from eagledata.tokenizer import load_tokenizer
 from eagledata.tokens import build_token_shards, read_shards
 
@@ -24,6 +24,8 @@ EXPECTED = {
     "markup-in-content": {"exact", "repaired"},
     "strip-whitespace": {"exact", "repaired", "mismatch"},
     "drop-reasoning": {"mismatch"},
+    "noncanonical": {"exact", "mismatch"},
+    "truncating": {"exact", "mismatch"},
 }
 
 
@@ -49,7 +51,7 @@ def _prompts():
 @pytest.mark.parametrize("profile", sorted(PROFILES))
 def test_verdicts_never_bless_wrong_ids(profile, demo_tok, tmp_path):
     tok, fam = demo_tok
-    records = []
+    records, truths = [], {}
     with SimulatorServer(tok, fam, seed=SEED, profile=profile) as sim, httpx.Client(timeout=30) as client:
         for i, p in enumerate(_prompts()):
             body = {"model": "demo", "messages": p["messages"], "max_tokens": 4096, "stream": i % 2 == 1}
@@ -57,18 +59,51 @@ def test_verdicts_never_bless_wrong_ids(profile, demo_tok, tmp_path):
                 body["tools"] = p["tools"]
             r = client.post(sim.base_url + "/chat/completions", json=body)
             records.append({"id": p["id"], "request": body, "status": r.status_code, "response_raw": r.text})
+            truths[p["id"]] = sim.truth_of(body)  # what the model produced, whatever the provider did to it
     path = tmp_path / "responses.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     build_token_shards(path, tmp_path / "tokens", tok, fam, profile, shard_size=16)
     rows = {r["id"]: r for r in read_shards(tmp_path / "tokens").iter_rows(named=True)}
-    truth_model = CompletionModel(tok, fam, SEED)
     verdicts = set()
     for rec in records:
         row = rows[rec["id"]]
-        truth = truth_model.complete(rec["request"])
+        truth = truths[rec["id"]]
         verdicts.add(row["verdict"])
         if row["verdict"] in ("exact", "repaired"):
             assert row["input_ids"] == truth.prompt_ids + truth.ids, (profile, rec["id"], row["reasons"])
     assert verdicts <= EXPECTED.get(profile, {"exact", "repaired", "mismatch"}), (profile, verdicts)
     if profile in ("exact", "no-eot"):
         assert verdicts == {"exact"}
+
+
+def test_engine_token_ids_are_the_tokens_and_the_text_path_is_measured(demo_tok, tmp_path, monkeypatch):
+    """Backend sglang: the ids the engine returned are used as they are (no reconstruction); the text
+    path is still reconstructed and compared, as a measurement."""
+    from eagledata.generate import generate_dataset
+
+    monkeypatch.delenv("OPENROUTER_API_KEY", raising=False)
+    tok, fam = demo_tok
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in _prompts()[:12]))
+    with SimulatorServer(tok, fam, seed=SEED, api="sglang") as sim:
+        for endpoint in ("chat", "generate"):
+            cfg = {"cache_dir": str(tmp_path / f"cache-{endpoint}"), "results_dir": str(tmp_path / "results"),
+                   "models": {"m": {"family": "kimi-k2.5", "tokenizer": tok.source}},
+                   "generation": {"api_base": sim.root_url + "/v1", "max_tokens": 4096, "sglang_endpoint": endpoint},
+                   "datasets": {"d": {"prompts": str(prompts), "model": "m", "backend": "sglang"}}}
+            out = tmp_path / f"{endpoint}.jsonl"
+            generate_dataset(cfg, "d", out, log=lambda _m: None)
+            records = [json.loads(x) for x in out.read_text().splitlines()]
+            build_token_shards(out, tmp_path / f"tokens-{endpoint}", tok, fam, "d")
+            rows = {r["id"]: r for r in read_shards(tmp_path / f"tokens-{endpoint}").iter_rows(named=True)}
+            for rec in records:
+                row = rows[rec["id"]]
+                truth = sim.truth(rec["generation_id"]) or sim.truth("gen-" + rec["generation_id"])
+                assert row["input_ids"][row["prompt_len"]:] == truth["ids"] == rec["token_ids"]
+                assert row["input_ids"][: row["prompt_len"]] == truth["prompt_ids"]
+                assert "ground_truth_ids" in row["reasons"], row["reasons"]
+                assert row["verdict"] == "exact", (endpoint, row["reasons"])
+                kinds = [s["kind"] for s in json.loads(row["segments"])]
+                assert kinds[-1] == "end_of_turn" and "think_close" in kinds
+                if endpoint == "chat":  # the stand-in's text decodes the ids faithfully
+                    assert "text_path_differs" not in row["reasons"]

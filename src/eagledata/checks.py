@@ -61,6 +61,9 @@ REASONS: dict[str, tuple[str, str]] = {
     "tool_arguments_respaced": ("repair", "the provider re-serialized tool arguments as compact JSON; the model's spacing is the unique candidate matching the billed counts"),
     "repair_ambiguous": ("block", "more than one repair candidate matches the billed counts: the ids cannot be singled out"),
     "whitespace_ambiguous": ("block", "this provider strips leading spaces and the counts match with and without one: the ids cannot be singled out"),
+    "ground_truth_ids": ("info", "the completion ids came from the serving engine itself (no reconstruction)"),
+    "text_path_differs": ("info", "reconstructing from the returned text would have given different ids than the engine returned"),
+    "prompt_path_differs": ("info", "the engine's prompt ids differ from our chat-template rendering (the engine's are used)"),
     "tool_id_index_unexpected": ("info", "a native tool-call id's index differs from the conversation-wide count"),
     "reasoning_count_unreported": ("info", "the provider reports 0 reasoning tokens for a response with reasoning"),
 }

@@ -227,3 +227,42 @@ def reconstruct_completion(
 
 def _unique(items: list[str]) -> list[str]:
     return list(dict.fromkeys(items))
+
+
+def segment_ids(ids: Sequence[int], tokenizer: Tokenizer, family: ModelFamily, thinking: bool,
+                stopped: bool | None = None) -> Reconstruction:
+    """Segments of completion ids that are known exactly (a local server returned them): the
+    inverse of :func:`reconstruct_completion`. Text runs are decoded; their kind follows from the
+    special tokens around them (reasoning until ``think_close`` for a thinking completion, then
+    content; tool ids and arguments inside the tool-call section)."""
+    kinds = {tokenizer.special_id(n): k for k, n in (
+        ("think_close", family.think_close), ("think_open", family.think_open), ("end_of_turn", family.end_of_turn),
+        ("tool_section_begin", family.tool_section_begin), ("tool_section_end", family.tool_section_end),
+        ("tool_call_begin", family.tool_call_begin), ("tool_argument_begin", family.tool_argument_begin),
+        ("tool_call_end", family.tool_call_end)) if k not in ("think_close", "think_open") or family.thinking}
+    segments: list[Segment] = []
+    state = "reasoning" if thinking else "content"
+    call = -1
+    run_start = 0
+
+    def flush(end: int) -> None:
+        if end > run_start:
+            segments.append(Segment(state, run_start, end, tokenizer.decode(list(ids[run_start:end])),
+                                    call if state in ("tool_id", "tool_arguments") else None))
+
+    for i, t in enumerate(ids):
+        kind = kinds.get(t)
+        if kind is None:
+            continue
+        flush(i)
+        if kind == "tool_call_begin":
+            call += 1
+        segments.append(Segment(kind, i, i + 1, None, call if kind.startswith("tool_call") or kind == "tool_argument_begin" else None))
+        state = {"think_close": "content", "tool_section_begin": "content", "tool_call_begin": "tool_id",
+                 "tool_argument_begin": "tool_arguments", "tool_call_end": "content"}.get(kind, state)
+        run_start = i + 1
+    flush(len(ids))
+    eot = tokenizer.special_id(family.end_of_turn)
+    if stopped is None:
+        stopped = bool(ids) and ids[-1] == eot
+    return Reconstruction(list(ids), segments, [], [], stopped, thinking)  # exact ids: nothing was lost

@@ -113,6 +113,8 @@ def _parse_json(raw: str) -> ParsedResponse:
     if not isinstance(body, dict):
         out.error = ResponseError("malformed", "body is not a JSON object", "malformed")
         return out
+    if "output_ids" in body and "meta_info" in body:
+        return _parse_sglang_native(body)
     out.generation_id, out.provider, out.model = body.get("id"), body.get("provider"), body.get("model")
     out.usage = body.get("usage")
     if "error" in body and body["error"]:
@@ -213,4 +215,18 @@ def _parse_sse(raw: str) -> ParsedResponse:
     out.tool_calls = [calls[i] for i in sorted(calls)]
     if out.error is None and not done and out.finish_reason is None:
         out.error = ResponseError("stream_incomplete", "stream ended without finish_reason or [DONE]", "stream")
+    return out
+
+
+def _parse_sglang_native(body: dict) -> ParsedResponse:
+    """SGLang's native ``/generate`` answer: ``text``, ``output_ids``, ``meta_info`` (finish
+    ``{type, matched}``, token counts). The text is the whole completion; the ids ride beside it."""
+    meta = body.get("meta_info") or {}
+    finish = meta.get("finish_reason") or {}
+    kind = finish.get("type") if isinstance(finish, dict) else finish
+    out = ParsedResponse(streamed=False, generation_id=meta.get("id"), provider="SGLang", content=body.get("text"),
+                         finish_reason={"stop": "stop", "length": "length", "abort": "error"}.get(kind, kind),
+                         usage={"prompt_tokens": meta.get("prompt_tokens"), "completion_tokens": meta.get("completion_tokens")})
+    if kind == "abort":
+        out.error = ResponseError("abort", str(finish.get("message") or "request aborted"), "finish")
     return out

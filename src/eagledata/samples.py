@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from .chat import ChatTemplateError, prompt_ids, request_thinking
 from .families import ModelFamily
-from .reconstruct import Reconstruction, count_tool_calls, reconstruct_completion
+from .reconstruct import Reconstruction, count_tool_calls, reconstruct_completion, segment_ids
 from .responses import ParsedResponse, ResponseError, parse_response
 from .tokenizer import Tokenizer
 
@@ -61,4 +61,24 @@ def tokenize_record(
     except (ChatTemplateError, TypeError, KeyError, AttributeError) as exc:
         p_ids, prompt_error = [], f"prompt could not be rendered: {exc}"
     completion = reconstruct_completion(parsed, tokenizer, family, count_tool_calls(messages), thinking)
+    truth = record.get("token_ids")
+    if isinstance(truth, list) and parsed.error is None:
+        completion = _ground_truth(truth, completion, tokenizer, family)
+        server_prompt = record.get("prompt_token_ids") or request.get("input_ids")
+        if isinstance(server_prompt, list):
+            if server_prompt != p_ids:
+                completion.flags.append("prompt_path_differs")
+            p_ids, prompt_error = list(server_prompt), None
+        if parsed.provider is None:
+            parsed.provider = str(record.get("backend") or "sglang")
     return Sample(sample_id, request, parsed, p_ids, completion, thinking, prompt_error)
+
+
+def _ground_truth(ids: list[int], text_path: Reconstruction, tokenizer: Tokenizer, family: ModelFamily) -> Reconstruction:
+    """Ids a local server returned are the completion; the text path is kept as a measurement:
+    ``text_path_differs`` when reconstructing from the returned text would have given other ids."""
+    truth = segment_ids(ids, tokenizer, family, text_path.thinking)
+    truth.flags.append("ground_truth_ids")
+    if text_path.ids != truth.ids:
+        truth.flags.append("text_path_differs")
+    return truth
