@@ -173,3 +173,23 @@ def test_plan_and_budget_commands(tmp_path, k25, capsys, monkeypatch):
         assert b["totals"]["d"]["spent"] == pytest.approx(sim.billed_usd)
         assert cli_main(["budget", "--config", str(cfg_path)]) == 0
         assert "remaining $" in capsys.readouterr().out
+
+
+def _open_ledger(path):
+    from eagledata.budget import BudgetLedger
+
+    BudgetLedger(path).close()
+
+
+def test_jobs_starting_together_all_open_a_new_ledger(tmp_path):
+    """Parallel generate jobs race to create the ledger and switch it to WAL; none may fail."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    for k in range(40):  # the race is rare: without the retry about one round in 25 failed
+        procs = [ctx.Process(target=_open_ledger, args=(str(tmp_path / f"l{k}.sqlite"),)) for _ in range(6)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+        assert [p.exitcode for p in procs] == [0] * 6, k

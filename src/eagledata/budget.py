@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import socket
 import sqlite3
 import time
@@ -123,14 +124,25 @@ class BudgetLedger:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(str(self.path), timeout=60, isolation_level=None, check_same_thread=False)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.execute("PRAGMA busy_timeout=60000")
         self.pid = os.getpid()
-        with self.transaction():
-            for stmt in _SCHEMA.strip().split(";\n"):
-                if stmt.strip():
-                    self.db.execute(stmt)
+        # Jobs that start together race to create the file and switch it to WAL; SQLite answers the
+        # loser of that race "database is locked" at once (no busy wait), so retry for a while.
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if self.db.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+                    self.db.execute("PRAGMA journal_mode=WAL")
+                self.db.execute("PRAGMA synchronous=NORMAL")
+                with self.transaction():
+                    for stmt in _SCHEMA.strip().split(";\n"):
+                        if stmt.strip():
+                            self.db.execute(stmt)
+                break
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05 + random.random() * 0.1)
 
     def close(self) -> None:
         self.db.close()

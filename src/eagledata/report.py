@@ -294,6 +294,9 @@ IMPLICATED: dict[str, tuple[str | None, str]] = {
     "unknown_count_convention": (None, "no single token: the provider's counts follow neither known convention"),
     "reasoning_unexpected": (None, "no token: the reasoning text returned without thinking is not in the ids"),
     "reasoning_count_unreported": (None, "no token: the provider reports 0 reasoning tokens"),
+    "ground_truth_ids": (None, "no token: the serving engine returned these ids itself"),
+    "text_path_differs": (None, "no token marked: the engine's ids are used; the text path would have differed"),
+    "prompt_path_differs": (None, "no token: the engine's prompt ids differ from our template rendering"),
 }
 
 _LEVEL_RANK = {"offending": 3, "suspect": 2, "repair": 1}
