@@ -17,33 +17,7 @@ from eagledata.prompts import PromptFileError, read_prompts
 from eagledata.responses import parse_response
 from eagledata.simulator import SimulatorServer, prompt_hash
 
-API_KEY = "sk-or-v1-test-0123456789abcdef-never-write-me"
-TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {
-    "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}}]
-
-
-def write_prompts(path: Path, n: int, tools_every: int = 3) -> Path:
-    lines = []
-    for i in range(n):
-        p = {"id": f"q{i:03d}", "messages": [{"role": "user", "content": f"Prompt {i}: explain item {i}."}]}
-        if tools_every and i % tools_every == 0:
-            p["tools"] = TOOLS
-        lines.append(json.dumps(p))
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
-
-
-def make_config(tmp: Path, prompts: Path, tokenizer: str, backend: str = "openrouter", api_base: str | None = None,
-                **generation) -> dict:
-    gen = {"max_tokens": 300, "concurrency": 4, "backoff_base_s": 0.001, "backoff_max_s": 0.01, "max_attempts": 4,
-           "timeout_s": 20, **generation}
-    if api_base:
-        gen["api_base"] = api_base
-    return {"cache_dir": str(tmp / "cache"), "results_dir": str(tmp / "results"), "simulator": {"seed": 3},
-            "models": {"m": {"family": "kimi-k2.5", "tokenizer": tokenizer, "api_model": "moonshotai/kimi-k2.5",
-                             "price_per_mtok": {"prompt": 0.6, "completion": 2.5}}},
-            "generation": gen,
-            "datasets": {"d": {"prompts": str(prompts), "model": "m", "backend": backend}}}
+from gen_helpers import API_KEY, TOOLS, make_config, write_prompts  # noqa: E402
 
 
 @pytest.fixture
@@ -218,7 +192,7 @@ def test_final_4xx_is_recorded_not_retried_and_cached(setup, tmp_path):
 
 
 def test_failing_prompt_exits_nonzero_after_caching_the_rest(setup, tmp_path):
-    doomed = {"messages": [{"role": "user", "content": "Prompt 4: explain item 4."}], "tools": None}
+    doomed = {"messages": [{"role": "user", "content": "Prompt q4: explain item 4."}], "tools": None}
 
     def faults(n, body):
         return "502" if prompt_hash(body) == prompt_hash(doomed) else None

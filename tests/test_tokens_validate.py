@@ -113,10 +113,10 @@ def test_bad_responses_file_names_file_line_field(k25, tmp_path):
     tok, fam = k25
     path = tmp_path / "r.jsonl"
     path.write_text('{"request": {}, "response_raw": "{}"}\n{"request": {}}\n')
-    with pytest.raises(ResponsesFileError, match=r"r\.jsonl:2: field 'response_raw' is missing"):
+    with pytest.raises(ResponsesFileError, match=r"r\.jsonl:2:response_raw: missing"):
         build_token_shards(path, tmp_path / "t", tok, fam, "x")
     path.write_text('{"request": {}, "response_raw": "{}"}\nnot json\n')
-    with pytest.raises(ResponsesFileError, match=r"r\.jsonl:2: not valid JSON"):
+    with pytest.raises(ResponsesFileError, match=r"r\.jsonl:2:\(json\): invalid JSON"):
         build_token_shards(path, tmp_path / "t", tok, fam, "x")
 
 
@@ -135,3 +135,27 @@ def test_fidelity_profiles_accumulate_across_runs_without_double_counting(k25, s
     prof = accumulated_profiles(hist)["P"]
     assert prof["total"] == 16 and prof["exact"] == 6 and prof["datasets"] == ["syn", "syn2"]
     assert prof["convention"] == "counts_eot" and prof["transformations_seen"] == {"tool_id_rebuilt": 2}
+
+
+def test_plain_openrouter_log_lines_import_like_recordings(k2, recorded, tmp_path):
+    """A log of parsed responses (request beside response, or the response with its request inside)
+    goes through the same stages; the records say their bodies were re-serialized."""
+    from eagledata.generate import read_response_records
+
+    tok, fam = k2
+    plain = [r for r in recorded if not r["request"].get("stream")][:6]
+    lines = []
+    for i, r in enumerate(plain):
+        body = json.loads(r["response_raw"])
+        lines.append({"request": r["request"], "response": body} if i % 2 else {**body, "request": r["request"]})
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    orig = tmp_path / "orig.jsonl"
+    orig.write_text("".join(json.dumps(r) + "\n" for r in plain))
+    imported = list(read_response_records(log, "log"))
+    assert all(r["response_raw_reserialized"] and r["status"] == 200 for r in imported)
+    build_token_shards(log, tmp_path / "t-log", tok, fam, "log")
+    build_token_shards(orig, tmp_path / "t-orig", tok, fam, "orig")
+    a, b = read_shards(tmp_path / "t-log"), read_shards(tmp_path / "t-orig")
+    assert a["input_ids"].to_list() == b["input_ids"].to_list()
+    assert a["verdict"].to_list() == b["verdict"].to_list()

@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from .config import DatasetSettings, dataset_settings, load_model_tokenizer, validate_config
+from .jsonl import ResponsesFileError, iter_json_lines, normalize_response_line
 from .prompts import Prompt, canonical_json, read_prompts, sha256_hex
 from .responses import parse_response
 
@@ -1172,9 +1173,6 @@ def main(argv: list[str] | None = None) -> int:
 # Import of existing responses
 
 
-class ResponsesFileError(ValueError):
-    """An imported responses line is unusable; the message starts with ``file:line:field``."""
-
 
 def read_response_records(path: str | Path, dataset: str) -> Iterator[dict[str, Any]]:
     """Validate a responses file in the recorded format (``request``, ``status``,
@@ -1182,51 +1180,34 @@ def read_response_records(path: str | Path, dataset: str) -> Iterator[dict[str, 
     Extra fields (``source``, ``recorded``, ...) are kept."""
     path = Path(path)
     seen: dict[str, int] = {}
-    try:
-        fh = open(path, "rb")
-    except OSError as exc:
-        raise ResponsesFileError(f"{path}: cannot read responses file: {exc.strerror or exc}") from None
-    with fh:
-        for lineno, raw in enumerate(fh, 1):
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise ResponsesFileError(f"{where}:(line): not valid UTF-8 ({exc.reason})") from None
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ResponsesFileError(f"{where}:(json): invalid JSON: {exc.msg} at column {exc.colno}") from None
-            if not isinstance(rec, dict):
-                raise ResponsesFileError(f"{where}: a line must be a JSON object")
-            req = rec.get("request")
-            if not isinstance(req, dict):
-                raise ResponsesFileError(f"{where}:request: missing or not an object")
-            if not isinstance(req.get("messages"), list) or not req["messages"]:
-                raise ResponsesFileError(f"{where}:request.messages: missing or not a non-empty list")
-            status = rec.get("status")
-            if isinstance(status, bool) or not isinstance(status, int) or not 100 <= status <= 599:
-                raise ResponsesFileError(f"{where}:status: must be an HTTP status code, got {status!r}")
-            if not isinstance(rec.get("response_raw"), str):
-                raise ResponsesFileError(f"{where}:response_raw: missing or not a string (the exact body received)")
-            rid = rec.get("id")
-            if rid is None:
-                rid = f"{dataset}-{lineno:06d}"
-            elif isinstance(rid, bool) or not isinstance(rid, (str, int)) or not str(rid):
-                raise ResponsesFileError(f"{where}:id: must be a non-empty string")
-            rid = str(rid)
-            if rid in seen:
-                raise ResponsesFileError(f"{where}:id: duplicate id {rid!r}, first at line {seen[rid]}")
-            seen[rid] = lineno
-            out = {"id": rid, "prompt_id": rec.get("prompt_id", rid), "sample_index": rec.get("sample_index", 0),
-                   "request": req, "status": status, "response_raw": rec["response_raw"], "url": rec.get("url"),
-                   "cache_key": cache_key(req), "backend": rec.get("backend", "import"),
-                   "started_at": rec.get("started_at", rec.get("recorded")), "elapsed_s": rec.get("elapsed_s"),
-                   "attempts": rec.get("attempts")}
-            out.update({k: v for k, v in rec.items() if k not in out})
-            yield out
+    for lineno, where, rec in iter_json_lines(path, ResponsesFileError, "responses file"):
+        rec = normalize_response_line(rec)
+        req = rec.get("request")
+        if not isinstance(req, dict):
+            raise ResponsesFileError(f"{where}:request: missing or not an object")
+        if not isinstance(req.get("messages"), list) or not req["messages"]:
+            raise ResponsesFileError(f"{where}:request.messages: missing or not a non-empty list")
+        status = rec.get("status")
+        if isinstance(status, bool) or not isinstance(status, int) or not 100 <= status <= 599:
+            raise ResponsesFileError(f"{where}:status: must be an HTTP status code, got {status!r}")
+        if not isinstance(rec.get("response_raw"), str):
+            raise ResponsesFileError(f"{where}:response_raw: missing or not a string (the exact body received)")
+        rid = rec.get("id")
+        if rid is None:
+            rid = f"{dataset}-{lineno:06d}"
+        elif isinstance(rid, bool) or not isinstance(rid, (str, int)) or not str(rid):
+            raise ResponsesFileError(f"{where}:id: must be a non-empty string")
+        rid = str(rid)
+        if rid in seen:
+            raise ResponsesFileError(f"{where}:id: duplicate id {rid!r}, first at line {seen[rid]}")
+        seen[rid] = lineno
+        out = {"id": rid, "prompt_id": rec.get("prompt_id", rid), "sample_index": rec.get("sample_index", 0),
+               "request": req, "status": status, "response_raw": rec["response_raw"], "url": rec.get("url"),
+               "cache_key": cache_key(req), "backend": rec.get("backend", "import"),
+               "started_at": rec.get("started_at", rec.get("recorded")), "elapsed_s": rec.get("elapsed_s"),
+               "attempts": rec.get("attempts")}
+        out.update({k: v for k, v in rec.items() if k not in out})
+        yield out
 
 
 def import_responses(source: str | Path, dataset: str, output_path: str | Path, log: Log = _stderr_log) -> dict[str, Any]:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .jsonl import iter_json_lines
+
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 #: Top-level keys of a prompt line; ``metadata`` is carried by users and ignored here.
 PROMPT_KEYS = frozenset({"id", "messages", "tools", "metadata"})
@@ -128,25 +130,9 @@ def parse_prompt_line(obj: Any, where: str, lineno: int) -> Prompt:
 
 def read_prompts(path: str | Path) -> list[Prompt]:
     """Read and validate a prompts JSONL file (see the module docstring)."""
-    path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise PromptFileError(f"{path}: cannot read prompt file: {exc.strerror or exc}") from None
     prompts: list[Prompt] = []
     seen: dict[str, int] = {}
-    for lineno, raw in enumerate(data.split(b"\n"), 1):
-        where = f"{path}:{lineno}"
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise PromptFileError(f"{where}:(line): not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise PromptFileError(f"{where}:(json): invalid JSON: {exc.msg} at column {exc.colno}") from None
+    for lineno, where, obj in iter_json_lines(path, PromptFileError, "prompt file", objects_only=False):
         prompt = parse_prompt_line(obj, where, lineno)
         if prompt.id in seen:
             what = "id" if "id" in obj else "id (default, from identical messages+tools)"

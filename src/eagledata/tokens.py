@@ -30,34 +30,24 @@ from .checks import (COUNT_CODES, POLICIES, REASONS, SampleStats, convention_for
 from .repairs import (WHITESPACE_CONTENT, WHITESPACE_REASONING, RepairResult, applicable_transforms,
                       parsed_from_segments, search_repairs)
 from .families import ModelFamily
+from .jsonl import ResponsesFileError, iter_json_lines, normalize_response_line
 from .samples import record_id, tokenize_record
 from .tokenizer import Tokenizer
 
 SHARD_NAME = "shard-{:05d}.parquet"
 
 
-class ResponsesFileError(ValueError):
-    pass
-
-
 def iter_records(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Yield (line number, record) of a responses JSONL; bad lines raise naming file:line:field."""
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ResponsesFileError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-            if not isinstance(rec, dict):
-                raise ResponsesFileError(f"{path}:{lineno}: a record must be a JSON object")
-            for key in ("request", "response_raw"):
-                if key not in rec:
-                    raise ResponsesFileError(f"{path}:{lineno}: field '{key}' is missing")
-            if not isinstance(rec["request"], dict):
-                raise ResponsesFileError(f"{path}:{lineno}: field 'request' must be an object")
-            yield lineno, rec
+    """Yield (line number, record) of a responses JSONL (any shape :func:`normalize_response_line`
+    accepts); bad lines raise naming file:line:field."""
+    for lineno, where, rec in iter_json_lines(path, ResponsesFileError, "responses file"):
+        rec = normalize_response_line(rec)
+        for key in ("request", "response_raw"):
+            if key not in rec:
+                raise ResponsesFileError(f"{where}:{key}: missing")
+        if not isinstance(rec["request"], dict):
+            raise ResponsesFileError(f"{where}:request: must be an object")
+        yield lineno, rec
 
 
 def sha256_file(path: str | Path) -> str:

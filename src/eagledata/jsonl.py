@@ -1,0 +1,71 @@
+"""Reading JSON-lines files with errors that name the file, line and field.
+
+Every JSONL input of the pipeline (prompts, responses, imported recordings) goes through
+:func:`iter_json_lines`, so a bad line always fails the same way: ``FILE:LINE:(json): invalid JSON
+...``, ``FILE:LINE:(line): not valid UTF-8 ...`` or ``FILE:LINE: a line must be a JSON object``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+
+class ResponsesFileError(ValueError):
+    """A responses file (generated, imported or recorded) has a bad line; names file:line:field."""
+
+
+def iter_json_lines(path: str | Path, error: type[Exception], what: str = "file",
+                    objects_only: bool = True) -> Iterator[tuple[int, str, Any]]:
+    """Yield ``(line number, "FILE:LINE", value)`` for every non-blank line of ``path``.
+
+    Raises ``error`` for an unreadable file, a line that is not UTF-8 or not JSON, and (with
+    ``objects_only``) a line whose value is not a JSON object."""
+    path = Path(path)
+    try:
+        fh = open(path, "rb")
+    except OSError as exc:
+        raise error(f"{path}: cannot read {what}: {exc.strerror or exc}") from None
+    with fh:
+        for lineno, raw in enumerate(fh, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise error(f"{where}:(line): not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise error(f"{where}:(json): invalid JSON: {exc.msg} at column {exc.colno}") from None
+            if objects_only and not isinstance(value, dict):
+                raise error(f"{where}: a line must be a JSON object, got {type(value).__name__}")
+            yield lineno, where, value
+
+
+def normalize_response_line(rec: dict[str, Any]) -> dict[str, Any]:
+    """A responses-file line in any accepted shape, as a recorded-format record.
+
+    Accepted: the recorded format (``request``, ``status``, ``response_raw``); a plain OpenRouter
+    response log line (``request`` beside ``response``, the parsed response object); or a response
+    object itself with its ``request`` beside its own fields. A parsed response can only be
+    re-serialized, not recovered byte for byte: such records get ``response_raw_reserialized``."""
+    if "response_raw" in rec or not isinstance(rec.get("request"), dict):
+        return rec
+    if isinstance(rec.get("response"), dict):
+        body, rest = rec["response"], {k: v for k, v in rec.items() if k != "response"}
+    elif "choices" in rec or "error" in rec:
+        keep = ("request", "status", "id_", "source", "recorded")
+        body = {k: v for k, v in rec.items() if k not in keep}
+        rest = {k: v for k, v in rec.items() if k in keep}
+    else:
+        return rec
+    status = rest.get("status")
+    if status is None:
+        err = body.get("error") if isinstance(body.get("error"), dict) else None
+        code = err.get("code") if err else None
+        status = code if isinstance(code, int) and 400 <= code <= 599 else 200
+    return {**rest, "status": status, "response_raw": json.dumps(body, ensure_ascii=False),
+            "response_raw_reserialized": True}
