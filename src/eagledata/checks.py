@@ -137,26 +137,31 @@ def _family_ids(tokenizer: Tokenizer, family: ModelFamily) -> tuple[int, ...]:
     return ids
 
 
+def _special_sequence(rc, tokenizer: Tokenizer, first_special: int | None) -> list[int] | None:
+    """The special ids of the completion, in order, read off the segments when they tile the ids
+    and no text segment holds a special id (then nothing else can be special); else ``None``."""
+    if first_special is None:
+        return None
+    ids, pos, out = rc.ids, 0, []
+    for seg in rc.segments:
+        if seg.start != pos:
+            return None
+        if seg.text is None:
+            if seg.end - seg.start != 1:
+                return None
+            if ids[seg.start] >= first_special:
+                out.append(ids[seg.start])
+        pos = seg.end
+    return out if pos == len(ids) else None
+
+
 def _structure_codes(rc, tokenizer: Tokenizer, family: ModelFamily, truncated: bool) -> list[str]:
     ids = rc.ids
     codes = []
     think_close, begin, end, call_begin, arg_begin, call_end, eot = _family_ids(tokenizer, family)
-    if rc.thinking and not truncated and ids.count(think_close) != 1:
-        codes.append("think_close_count")
-    n_begin, n_end = ids.count(begin), ids.count(end)
-    if n_begin != n_end or n_begin > 1:
-        codes.append("tool_section_malformed")
-    elif n_begin == 1:
-        b, e = ids.index(begin), ids.index(end)
-        order = [t for t in ids[b:e + 1] if t in (call_begin, arg_begin, call_end)]
-        triple = [call_begin, arg_begin, call_end]
-        if b > e or len(order) % 3 or any(order[i:i + 3] != triple for i in range(0, len(order), 3)):
-            codes.append("tool_section_malformed")
-    n_eot = ids.count(eot)
-    if rc.stopped != (n_eot == 1 and ids[-1] == eot) or n_eot > 1:
-        codes.append("end_of_turn_misplaced")
     first_special = getattr(tokenizer, "first_special_id", None)
     decode = tokenizer.decode
+    text_clean = True
     for seg in rc.segments:
         if seg.text is None:
             continue
@@ -167,8 +172,25 @@ def _structure_codes(rc, tokenizer: Tokenizer, family: ModelFamily, truncated: b
             has_special = any(tokenizer.is_special_id(t) for t in seg_ids)
         if has_special:
             codes.append("special_in_text")
+            text_clean = False
         if decode(seg_ids) != seg.text:
             codes.append("decode_mismatch")
+    specials = _special_sequence(rc, tokenizer, first_special) if text_clean else None
+    seq = specials if specials is not None else ids  # the short list when the segments vouch for it
+    if rc.thinking and not truncated and seq.count(think_close) != 1:
+        codes.append("think_close_count")
+    n_begin, n_end = seq.count(begin), seq.count(end)
+    if n_begin != n_end or n_begin > 1:
+        codes.append("tool_section_malformed")
+    elif n_begin == 1:
+        b, e = seq.index(begin), seq.index(end)
+        order = [t for t in seq[b:e + 1] if t in (call_begin, arg_begin, call_end)]
+        triple = [call_begin, arg_begin, call_end]
+        if b > e or len(order) % 3 or any(order[i:i + 3] != triple for i in range(0, len(order), 3)):
+            codes.append("tool_section_malformed")
+    n_eot = seq.count(eot)
+    if rc.stopped != (n_eot == 1 and bool(ids) and ids[-1] == eot) or n_eot > 1:
+        codes.append("end_of_turn_misplaced")
     return list(dict.fromkeys(codes))
 
 
