@@ -4,14 +4,10 @@ import sys
 
 from eagledata.generate import GenerationError, Interrupted, generate_dataset
 from eagledata.prompts import PromptFileError
+from eagledata.logs import line_log
 
 sm = snakemake  # noqa: F821 - injected by Snakemake
-with open(sm.log[0], "a", encoding="utf-8") as log_fh:
-
-    def log(message: str) -> None:
-        log_fh.write(message + "\n")
-        log_fh.flush()
-
+with line_log(sm.log[0]) as log:
     try:
         summary = generate_dataset(sm.config, sm.wildcards.dataset, sm.output.responses, log=log,
                                    summary_path=sm.output.summary)

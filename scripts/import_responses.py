@@ -4,14 +4,10 @@ import sys
 
 from eagledata.config import dataset_settings
 from eagledata.generate import ResponsesFileError, import_responses
+from eagledata.logs import line_log
 
 sm = snakemake  # noqa: F821 - injected by Snakemake
-with open(sm.log[0], "a", encoding="utf-8") as log_fh:
-
-    def log(message: str) -> None:
-        log_fh.write(message + "\n")
-        log_fh.flush()
-
+with line_log(sm.log[0]) as log:
     try:
         ds = dataset_settings(sm.config, sm.wildcards.dataset)
         summary = import_responses(sm.input[0], ds.name, sm.output[0], log=log)

@@ -137,7 +137,7 @@ def _family_ids(tokenizer: Tokenizer, family: ModelFamily) -> tuple[int, ...]:
     return ids
 
 
-def _special_sequence(rc, tokenizer: Tokenizer, first_special: int | None) -> list[int] | None:
+def _special_sequence(rc, first_special: int | None) -> list[int] | None:
     """The special ids of the completion, in order, read off the segments when they tile the ids
     and no text segment holds a special id (then nothing else can be special); else ``None``."""
     if first_special is None:
@@ -175,7 +175,7 @@ def _structure_codes(rc, tokenizer: Tokenizer, family: ModelFamily, truncated: b
             text_clean = False
         if decode(seg_ids) != seg.text:
             codes.append("decode_mismatch")
-    specials = _special_sequence(rc, tokenizer, first_special) if text_clean else None
+    specials = _special_sequence(rc, first_special) if text_clean else None
     seq = specials if specials is not None else ids  # the short list when the segments vouch for it
     if rc.thinking and not truncated and seq.count(think_close) != 1:
         codes.append("think_close_count")

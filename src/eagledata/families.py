@@ -11,7 +11,7 @@ Kimi K2 Instruct, K2 Thinking and K2.5 are built in; other families come from co
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
 #: Kimi's pre-tokenization regex (tiktoken ``pat_str``), the same for K2, K2 Thinking, K2.5 and K2.6.
@@ -58,7 +58,6 @@ class ModelFamily:
     pattern: str = KIMI_PATTERN
     #: Number of special ids above the BPE ranks (reserved ones get ``<|reserved_token_N|>`` names).
     special_range: int = 256
-    extra: Mapping[str, Any] = field(default_factory=dict)
 
     def completion_specials(self) -> tuple[str, ...]:
         """Names of every special token a completion of this family may contain."""

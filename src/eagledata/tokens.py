@@ -252,7 +252,6 @@ def _judge(out: Path, shard_files: list[str], stats: list[SampleStats], conventi
         if len(singles) == 1:  # stripping is one behaviour: it may hit reasoning and content alike
             learned.setdefault(st.provider, set()).update(_transform_family(singles[0]))
     # Round 2: each sample's candidates are the combinations of its provider's known transformations.
-    strippers: set[str] = set()
     for i, (parsed, thinking) in candidates.items():
         st = stats[i]
         known = tuple(sorted(learned.get(st.provider, ())))
