@@ -78,6 +78,11 @@ CREATE TABLE IF NOT EXISTS key_snapshots (
 HELD_STATES = ("reserved", "orphaned")
 
 
+class LedgerBusy(Exception):
+    """Another process holds the ledger's write lock (raised by ``apply(..., wait=False)``; nothing
+    was changed)."""
+
+
 class BudgetExhausted(Exception):
     """No further request may start: the message names the cap and the amounts."""
 
@@ -107,6 +112,7 @@ class Reserve:
     budget_usd: float | None
     dataset_budget_usd: float | None
     meta: dict[str, Any] = field(default_factory=dict)
+    ahead: bool = False  # asked ahead of need: granted only if it fits now, never waits
 
 
 @dataclass
@@ -217,13 +223,32 @@ class BudgetLedger:
                    "note=COALESCE(?, note) WHERE ref=? AND state='reserved'")
     _NOTE_SQL = "UPDATE reservations SET updated=?, generation_id=COALESCE(?, generation_id), note=COALESCE(?, note) WHERE ref=?"
 
-    def apply(self, reserves: Iterable[Reserve], updates: Iterable[tuple[str, str, dict[str, Any]]]) -> list[Decision]:
+    def apply(self, reserves: Iterable[Reserve], updates: Iterable[tuple[str, str, dict[str, Any]]],
+              wait: bool = True) -> list[Decision]:
         """Apply ``updates`` (``(kind, ref, fields)``, kind ``settle`` | ``orphan`` | ``note``; fields
         ``cost``, ``generation_id``, ``provider``, ``prompt_tokens``, ``completion_tokens``, ``note``)
-        in order, then decide ``reserves`` in order, all in one transaction with batched statements."""
-        now = time.time()
+        in order, then decide ``reserves`` in order, all in one transaction with batched statements.
+        ``wait=False``: raise :class:`LedgerBusy` at once (changing nothing) instead of waiting
+        while another process holds the write lock."""
         reserves, updates = list(reserves), list(updates)
+        if wait:
+            return self._apply(reserves, updates)
+        self.db.execute("PRAGMA busy_timeout=0")
+        try:
+            return self._apply(reserves, updates)
+        except sqlite3.OperationalError as exc:
+            if "locked" in str(exc) or "busy" in str(exc):
+                raise LedgerBusy(str(exc)) from None
+            raise
+        finally:
+            self.db.execute("PRAGMA busy_timeout=60000")
+
+    def _apply(self, reserves: list[Reserve], updates: list[tuple[str, str, dict[str, Any]]]) -> list[Decision]:
+        now = time.time()
         out: list[Decision] = []
+        # a note (generation id seen in the headers) is moot when the same batch settles or orphans
+        # its reservation with that id
+        closing = {ref: f.get("generation_id") for kind, ref, f in updates if kind != "note"}
         with self.transaction():
             # rows touched by settlements: their dataset, state and reservation (for the totals)
             refs = list({ref for kind, ref, _ in updates if kind != "note"})
@@ -236,7 +261,9 @@ class BudgetLedger:
             settles, orphans, notes = [], [], []
             for kind, ref, f in updates:
                 if kind == "note":
-                    notes.append((now, f.get("generation_id"), f.get("note"), ref))
+                    moot = ref in closing and closing[ref] == f.get("generation_id") and not f.get("note")
+                    if not moot:
+                        notes.append((now, f.get("generation_id"), f.get("note"), ref))
                     continue
                 row = rows.get(ref)
                 if row is None or row[1] == "settled":
@@ -271,7 +298,7 @@ class BudgetLedger:
                 checked_others = False
                 for r in reserves:
                     d = self._decide(r, totals)
-                    if not d.granted and not checked_others:
+                    if not d.granted and not checked_others and not r.ahead:
                         checked_others = True
                         if self._mark_dead():  # held amounts unchanged; the in-flight count is now truthful
                             d = self._decide(r, totals)
@@ -282,7 +309,7 @@ class BudgetLedger:
                         m = r.meta
                         inserts.append((r.ref, r.dataset, m.get("backend"), m.get("model"), m.get("item"), m.get("cache_key"),
                                         m.get("attempt"), HOST, self.pid, r.amount, m.get("api_base"), now, now))
-                    else:
+                    elif not r.ahead:
                         d.others_in_flight = self._others_in_flight()
                     out.append(d)
                 if inserts:
@@ -446,6 +473,25 @@ class LedgerSession:
             except asyncio.TimeoutError:
                 pass
 
+    def reserve_ahead(self, amount: float, **meta: Any) -> asyncio.Future:
+        """Ask now for a reservation that will be needed soon (a worker's next request, asked while
+        its current one is in flight, so that it goes out without waiting for the ledger). The
+        future's result is the reservation's ref when ``amount`` fits at once, else ``None`` (then
+        :meth:`reserve` when the time comes). A granted ref that ends up unused must be handed to
+        :meth:`give_back`; until then it is held like any reservation."""
+        fut = asyncio.get_running_loop().create_future()
+        self._reserves.append((Reserve(new_ref(), self.dataset, amount, self.budget_usd, self.dataset_budget_usd,
+                                       {**self.meta, **meta}, ahead=True), fut))
+        self._kick()
+        return fut
+
+    def give_back(self, ahead: asyncio.Future) -> None:
+        """Release a :meth:`reserve_ahead` whose request was never sent (settled at 0)."""
+        if not ahead.done():
+            ahead.cancel()  # a grant arriving later is settled at 0 by _finish
+        elif not ahead.cancelled() and ahead.exception() is None and ahead.result() is not None:
+            self.settle(ahead.result(), 0.0, note="not sent: job ended")
+
     def note(self, ref: str, **fields: Any) -> None:
         self._updates.append(("note", ref, fields))
         self._kick()
@@ -498,27 +544,46 @@ class LedgerSession:
             self._timer = asyncio.get_running_loop().call_later(self.coalesce_s, self._start_flush)
 
     def _start_flush(self) -> None:
+        """Apply the pending batch: on the event loop's thread when the ledger's write lock is free
+        (one short transaction, no thread handoff), else on the background thread, which waits for
+        the lock without stalling the loop."""
         self._timer = None
         if self._flushing is None and (self._reserves or self._updates):
-            loop = asyncio.get_running_loop()
             reserves, self._reserves = self._reserves, []
             updates, self._updates = self._updates, []
-            self._flushing = loop.run_in_executor(self._executor, self.ledger.apply, [r for r, _ in reserves], updates)
-            self._flushing.add_done_callback(lambda f: self._done(f, reserves))
+            batch = [r for r, _ in reserves]
+            try:
+                decisions = self.ledger.apply(batch, updates, wait=False)
+            except LedgerBusy:
+                pass
+            except Exception as exc:  # noqa: BLE001 - reported to every waiter and at close()
+                self._finish(None, exc, reserves)
+                return
+            else:
+                self._finish(decisions, None, reserves)
+                return
+            fut = asyncio.get_running_loop().run_in_executor(self._executor, self.ledger.apply, batch, updates)
+            self._flushing = fut
+            fut.add_done_callback(lambda f: self._finish(None if f.exception() else f.result(), f.exception(), reserves))
 
-    def _done(self, fut: asyncio.Future, reserves: list[tuple[Reserve, asyncio.Future]]) -> None:
+    def _finish(self, decisions: list[Decision] | None, exc: BaseException | None,
+                reserves: list[tuple[Reserve, asyncio.Future]]) -> None:
         self._flushing = None
-        exc = fut.exception()
         if exc is not None and self.error is None:
             self.error = exc
         for i, (r, waiter) in enumerate(reserves):
-            decision = None if exc is not None else fut.result()[i]
-            if decision is not None and decision.granted:
-                self._open.add(r.ref)
-            if waiter.done():  # its requester was cancelled; a granted reservation stays open
+            decision = None if decisions is None else decisions[i]
+            granted = decision is not None and decision.granted
+            if waiter.done():  # its requester was cancelled: the request was never sent
+                if granted:
+                    self.settle(r.ref, 0.0, note="not sent: cancelled before the reservation was granted")
                 continue
+            if granted:
+                self._open.add(r.ref)
             if exc is not None:
                 waiter.set_exception(exc)
+            elif r.ahead:
+                waiter.set_result(r.ref if granted else None)
             else:
                 waiter.set_result(decision)
         self._kick()
