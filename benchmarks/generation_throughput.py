@@ -14,12 +14,14 @@ Samples are ``--prompts`` distinct prompts x ``--samples`` each (identical bodie
 the stand-in answers from its completion memo and its own CPU is not what is measured).
 
 Usage: python benchmarks/generation_throughput.py [--requests 8192] [--concurrency 256] [--latency-ms 50]
+       [--rounds 3] [--event-loop auto|uvloop|asyncio] [--stream]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,17 +49,54 @@ def stored_at(record: dict) -> float:
     return datetime.fromisoformat(record["started_at"]).timestamp() + record["elapsed_s"]
 
 
+def one_round(args: argparse.Namespace, tok: Path, base: str, tmp: Path, stand_in_pid: int) -> dict:
+    """One generation job against the running stand-in, in a fresh cache; its measurements."""
+    import psutil
+
+    from eagledata.generate import generate_dataset
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    prompts = tmp / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": f"Question {i}?"}]}) + "\n"
+                               for i in range(args.prompts)))
+    samples = max(1, args.requests // args.prompts)
+    config = {"cache_dir": str(tmp / "cache"), "results_dir": str(tmp / "results"), "budget_usd": 1000.0,
+              "models": {"m": {"family": "kimi-k2.5", "tokenizer": str(tok), "api_model": "moonshotai/kimi-k2.5",
+                               "price_per_mtok": {"prompt": 0.6, "completion": 2.5}}},
+              "generation": {"api_base": base, "max_tokens": 256, "concurrency": args.concurrency,
+                             "samples_per_prompt": samples, "stream": args.stream, "timeout_s": 60,
+                             "event_loop": args.event_loop},
+              "datasets": {"bench": {"prompts": str(prompts), "model": "m", "backend": "openrouter"}}}
+    stand_in = psutil.Process(stand_in_pid)
+    s0 = sum(stand_in.cpu_times()[:2])
+    c0, w0 = time.process_time(), time.perf_counter()
+    summary = generate_dataset(config, "bench", tmp / "results" / "bench" / "responses.jsonl", log=lambda _: None)
+    wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+    server_cpu = sum(stand_in.cpu_times()[:2]) - s0
+    stored = sorted(stored_at(json.loads(line)) for line in open(tmp / "cache" / "bench" / "responses.jsonl"))
+    n = summary["requested"]
+    assert summary["ok"] == n == summary["http_requests"], summary
+    ideal = args.concurrency / (args.latency_ms / 1000)
+    lo, hi = len(stored) // 10, len(stored) * 9 // 10
+    phase, pcpu = summary["request_phase_s"], summary["request_phase_cpu_s"]
+    return {"n": n, "steady": (hi - lo) / (stored[hi] - stored[lo]) / ideal, "phase": n / phase / ideal,
+            "whole": n / wall / ideal, "phase_s": phase, "wall_s": wall, "cpu_core": cpu / wall, "phase_core": pcpu / phase,
+            "us_per_request": 1e6 * pcpu / n, "stand_in_core": server_cpu / wall}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=8192)
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--latency-ms", type=float, default=50.0)
+    ap.add_argument("--rounds", type=int, default=3, help="jobs run one after another; the median is the result")
+    ap.add_argument("--event-loop", default="auto", choices=["auto", "uvloop", "asyncio"])
     ap.add_argument("--stream", action="store_true", help="SSE streams instead of JSON bodies")
     args = ap.parse_args()
+    os.environ.setdefault("OPENROUTER_API_KEY", "sk-or-v1-benchmark-not-a-real-key")
 
-    from eagledata.generate import generate_dataset
-
+    rounds = []
     with tempfile.TemporaryDirectory(prefix="eagledata-bench-") as d:
         tmp = Path(d)
         tok = _tokenizer_dir(tmp)
@@ -73,51 +112,35 @@ def main() -> int:
                     raise SystemExit(f"stand-in did not start: {server.stderr.read().decode()[-2000:]}")
                 time.sleep(0.05)
             base = f"http://127.0.0.1:{port_file.read_text()}/api/v1"
-            prompts = tmp / "prompts.jsonl"
-            prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": f"Question {i}?"}]}) + "\n"
-                                       for i in range(args.prompts)))
-            samples = max(1, args.requests // args.prompts)
-            config = {"cache_dir": str(tmp / "cache"), "results_dir": str(tmp / "results"), "budget_usd": 1000.0,
-                      "models": {"m": {"family": "kimi-k2.5", "tokenizer": str(tok), "api_model": "moonshotai/kimi-k2.5",
-                                       "price_per_mtok": {"prompt": 0.6, "completion": 2.5}}},
-                      "generation": {"api_base": base, "max_tokens": 256, "concurrency": args.concurrency,
-                                     "samples_per_prompt": samples, "stream": args.stream, "timeout_s": 60},
-                      "datasets": {"bench": {"prompts": str(prompts), "model": "m", "backend": "openrouter"}}}
-            os.environ.setdefault("OPENROUTER_API_KEY", "sk-or-v1-benchmark-not-a-real-key")
-            logs: list[str] = []
-            import psutil
-
-            stand_in = psutil.Process(server.pid)
-            s0 = sum(stand_in.cpu_times()[:2])
-            c0, w0 = time.process_time(), time.perf_counter()
-            summary = generate_dataset(config, "bench", tmp / "results" / "bench" / "responses.jsonl", log=logs.append)
-            wall, cpu = time.perf_counter() - w0, time.process_time() - c0
-            server_cpu = sum(stand_in.cpu_times()[:2]) - s0
-            stored = sorted(stored_at(json.loads(line)) for line in open(tmp / "cache" / "bench" / "responses.jsonl"))
+            for i in range(args.rounds):
+                r = one_round(args, tok, base, tmp / f"round{i}", server.pid)
+                rounds.append(r)
+                print(f"round {i + 1}: steady {r['steady']:.3f}, request phase {r['phase']:.3f}, client "
+                      f"{r['phase_core']:.2f} core, {r['us_per_request']:.0f} us CPU/request, stand-in {r['stand_in_core']:.2f} core")
         finally:
             server.terminate()
             server.wait(timeout=10)
-    n = summary["requested"]
+
+    def med(key: str) -> float:
+        return statistics.median(r[key] for r in rounds)
+
+    def span(key: str, fmt: str = ".3f") -> str:
+        return f"[{min(r[key] for r in rounds):{fmt}}..{max(r[key] for r in rounds):{fmt}}]"
+
     ideal = args.concurrency / (args.latency_ms / 1000)
-    phase = summary["request_phase_s"]
-    rate, whole = n / phase, n / wall
-    lo, hi = len(stored) // 10, len(stored) * 9 // 10
-    steady = (hi - lo) / (stored[hi] - stored[lo])
-    print(f"requests: {n} ({summary['http_requests']} HTTP), concurrency {args.concurrency}, latency {args.latency_ms:g} ms, "
-          f"{'SSE' if args.stream else 'JSON'}; request phase {phase:.2f} s, whole job {wall:.2f} s "
-          f"(+ tokenizer load, estimates, output file)")
-    print(f"throughput (steady state, 10%-90% of answers): {steady:,.0f} req/s = {steady / ideal:.3f} x concurrency/latency "
-          f"({ideal:,.0f} req/s)   target >= 0.9")
-    print(f"throughput (whole request phase): {rate:,.0f} req/s = {rate / ideal:.3f}   [whole job incl. tokenizer load and "
-          f"output file: {whole / ideal:.3f}]")
-    pcpu = summary["request_phase_cpu_s"]
-    print(f"client CPU: {cpu:.2f} s / {wall:.2f} s = {cpu / wall:.2f} core (process CPU time / wall, whole job); "
-          f"request phase {pcpu / phase:.2f} core   target < 1")
-    print(f"client cost: {1e6 * pcpu / n:.0f} us CPU per request, i.e. one core would sustain {n / pcpu:,.0f} req/s "
-          f"= {n / pcpu / ideal:.2f} x concurrency/latency")
-    print(f"stand-in CPU: {server_cpu:.2f} s = {server_cpu / wall:.2f} core over the job (a Python server on the same "
-          f"{os.cpu_count()} cores: client + stand-in = {(cpu + server_cpu) / wall:.2f} cores busy)")
-    print(f"machine load average while measuring: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
+    print(f"\n{rounds[0]['n']} requests per round, {args.rounds} rounds, concurrency {args.concurrency}, latency "
+          f"{args.latency_ms:g} ms ({ideal:,.0f} req/s = concurrency/latency), {'SSE' if args.stream else 'JSON'}, "
+          f"event loop {args.event_loop}; medians [min..max]:")
+    print(f"throughput (steady state, 10%-90% of answers): {med('steady'):.3f} x concurrency/latency {span('steady')}   "
+          f"target >= 0.9")
+    print(f"throughput (whole request phase, with ramp-up and last wave): {med('phase'):.3f} {span('phase')}   "
+          f"[whole job incl. tokenizer load and output file: {med('whole'):.3f}]")
+    print(f"client CPU: {med('phase_core'):.2f} core over the request phase {span('phase_core', '.2f')}, "
+          f"{med('cpu_core'):.2f} over the whole job   target < 1")
+    print(f"client cost: {med('us_per_request'):.0f} us CPU per request {span('us_per_request', '.0f')}, i.e. one core "
+          f"would sustain {1e6 / med('us_per_request') / ideal:.2f} x concurrency/latency")
+    print(f"stand-in CPU: {med('stand_in_core'):.2f} core (a Python server on the same {os.cpu_count()} cores)")
+    print(f"machine load average: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     return 0
 
 

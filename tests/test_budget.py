@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from eagledata.budget import BudgetExhausted, BudgetLedger, LedgerSession, Reserve, ledger_path
+from eagledata.budget import BudgetExhausted, BudgetLedger, LedgerBusy, LedgerSession, Reserve, ledger_path
 from eagledata.cli import main as cli_main
 from eagledata.generate import generate_dataset, key_usage, reconcile_generations
 from eagledata.simulator import SimulatorServer
@@ -193,3 +193,84 @@ def test_jobs_starting_together_all_open_a_new_ledger(tmp_path):
         for p in procs:
             p.join(60)
         assert [p.exitcode for p in procs] == [0] * 6, k
+
+
+def test_reservations_asked_ahead_never_wait_and_unused_ones_are_given_back(tmp_path):
+    """``reserve_ahead`` is granted only when it fits at once (else ``None``, nothing held); a
+    granted one that is never used, or whose asker is cancelled, is settled at 0 (not sent), so it
+    frees its budget and is not left as an orphan."""
+    led = BudgetLedger(tmp_path / "b.sqlite")
+
+    async def run() -> None:
+        s = LedgerSession(led, "a", 1.0, None)
+        r1 = await s.reserve(0.6)
+        assert await s.reserve_ahead(0.5) is None  # does not fit now: no wait, nothing held
+        ahead = s.reserve_ahead(0.3)
+        ref = await ahead
+        assert ref is not None and led.totals()["a"]["held"] == pytest.approx(0.9)
+        s.give_back(ahead)
+        cancelled = s.reserve_ahead(0.05)
+        s.give_back(cancelled)  # not decided yet: cancelled, settled at 0 when the grant comes
+        s.settle(r1, 0.2)
+        await s.close()
+
+    asyncio.run(run())
+    rows = led.db.execute("SELECT state, reserved, cost, note FROM reservations ORDER BY created").fetchall()
+    assert [r[0] for r in rows] == ["settled"] * 3
+    assert [r[2] for r in rows] == [pytest.approx(0.2), 0.0, 0.0]
+    assert all("not sent" in r[3] for r in rows[1:])
+    assert led.totals()["a"] == {"spent": pytest.approx(0.2), "held": pytest.approx(0.0)}
+    assert led.orphans() == []
+    led.close()
+
+
+def test_session_uses_the_background_thread_while_another_process_holds_the_lock(tmp_path):
+    """With the write lock free a batch is applied on the event loop's thread; while another
+    process holds it, on the session's thread, and the loop keeps running meanwhile."""
+    path = tmp_path / "b.sqlite"
+    led = BudgetLedger(path)
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sqlite3, sys, time\n"
+        f"db = sqlite3.connect({str(path)!r}, isolation_level=None)\n"
+        "db.execute('BEGIN IMMEDIATE'); print('locked', flush=True); time.sleep(0.6); db.execute('COMMIT')\n")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(LedgerBusy, match="locked"):  # the no-wait path gives up at once ...
+            led.apply([Reserve("x", "a", 0.1, 1.0, None)], [], wait=False)
+        assert led.db.execute("SELECT COUNT(*) FROM reservations").fetchone()[0] == 0  # ... changing nothing
+
+        ticks = []
+
+        async def run() -> str:
+            s = LedgerSession(led, "a", 1.0, None)
+
+            async def tick() -> None:
+                while True:
+                    ticks.append(1)
+                    await asyncio.sleep(0.02)
+
+            t = asyncio.create_task(tick())
+            ref = await s.reserve(0.1)  # waits for the lock on the thread
+            t.cancel()
+            s.settle(ref, 0.1)
+            await s.close()
+            return ref
+
+        asyncio.run(run())
+        assert len(ticks) >= 10  # the loop ran while the reservation waited for the lock
+    finally:
+        holder.wait(10)
+    assert led.totals()["a"] == {"spent": pytest.approx(0.1), "held": pytest.approx(0.0)}
+    led.close()
+
+
+def test_note_and_settlement_of_one_reservation_in_one_batch(tmp_path):
+    """The note is moot (not written) when the settlement carries the same id; the id is kept."""
+    led = BudgetLedger(tmp_path / "b.sqlite")
+    led.apply([Reserve("r1", "a", 0.5, 1.0, None), Reserve("r2", "a", 0.1, 1.0, None)], [])
+    led.apply([], [("note", "r1", {"generation_id": "g1"}), ("settle", "r1", {"cost": 0.1, "generation_id": "g1"}),
+                   ("note", "r2", {"generation_id": "g2"})])
+    rows = dict(led.db.execute("SELECT ref, generation_id FROM reservations").fetchall())
+    assert rows == {"r1": "g1", "r2": "g2"}  # the kept note and the settlement both recorded the id
+    led.close()

@@ -170,6 +170,41 @@ def test_kill_9_then_rerun_loses_nothing(stand_in, tmp_path):
     assert counted >= sim.billed_usd - 1e-9
 
 
+def test_budget_stop_leaves_no_reservation_held(stand_in, tmp_path, key):
+    """The budget stops the job: the ledger ends with exactly what the stand-in billed, within the
+    cap, nothing reserved or orphaned, and every paid answer cached."""
+    price = {"prompt": 1.0, "completion": 10.0}
+    sim = stand_in(latency_ms=30, price_per_mtok=price)
+    prompts = write_prompts(tmp_path / "p.jsonl", 40, tools_every=0)
+    cfg = make_config(tmp_path, prompts, sim.tokenizer.source, api_base=sim.base_url, concurrency=4, max_tokens=40)
+    cfg["models"]["m"]["price_per_mtok"] = price
+    cfg["budget_usd"] = 0.006  # room for about a dozen worst cases
+    with pytest.raises(GenerationError, match="stopped: budget"):
+        generate_dataset(cfg, "d", tmp_path / "out.jsonl", log=quiet)
+    rows = ledger_rows(tmp_path)
+    assert 4 <= sim.requests_total < 40
+    assert [r[0] for r in rows] == ["settled"] * sim.requests_total
+    assert sum(r[2] for r in rows) == pytest.approx(sim.billed_usd)
+    assert sim.billed_usd <= cfg["budget_usd"] + 1e-12
+    assert len(cache_lines(tmp_path)) == sim.requests_total
+
+
+def test_stop_gives_back_the_reservations_asked_ahead(stand_in, tmp_path, key):
+    """Each worker asks for its next reservation while its current request is in flight; when a 402
+    stops the job, those never used are settled at 0 ("not sent") instead of staying held."""
+    sim = stand_in(latency_ms=40, faults={10: "402"})
+    prompts = write_prompts(tmp_path / "p.jsonl", 40, tools_every=0)
+    cfg = make_config(tmp_path, prompts, sim.tokenizer.source, api_base=sim.base_url, concurrency=4)
+    with pytest.raises(GenerationError, match="402"):
+        generate_dataset(cfg, "d", tmp_path / "out.jsonl", log=quiet)
+    rows = ledger_rows(tmp_path)
+    not_sent = [r for r in rows if (r[4] or "").startswith("not sent")]
+    assert not [r for r in rows if r[0] in ("reserved", "orphaned")]
+    assert len(rows) - len(not_sent) == sim.requests_total  # one reservation per request sent ...
+    assert 1 <= len(not_sent) <= 4 and all(r[2] == 0 for r in not_sent)  # ... plus the workers' next ones
+    assert sum(r[2] for r in rows) == pytest.approx(sim.billed_usd)
+
+
 def test_sigterm_drains_in_flight_and_leaves_the_cache_consistent(stand_in, tmp_path):
     sim = stand_in(latency_ms=300)
     prompts = write_prompts(tmp_path / "p.jsonl", 24)

@@ -76,6 +76,8 @@ CREATE TABLE IF NOT EXISTS key_snapshots (
 """
 
 HELD_STATES = ("reserved", "orphaned")
+CHECKPOINT_INTERVAL_S = 1.0  # a generation job checkpoints the WAL this often, off the event loop
+DEFAULT_WAL_AUTOCHECKPOINT = 1000  # SQLite's default (pages)
 
 
 class LedgerBusy(Exception):
@@ -152,6 +154,10 @@ class BudgetLedger:
 
     def close(self) -> None:
         self.db.close()
+
+    def checkpoint(self) -> None:
+        """Copy the WAL back into the database where no reader needs it (``PASSIVE``: never waits)."""
+        self.db.execute("PRAGMA wal_checkpoint(PASSIVE)")
 
     # -- transactions ---------------------------------------------------------------------------
     class _Tx:
@@ -450,6 +456,10 @@ class LedgerSession:
         self._open: set[str] = set()  # granted, neither settled nor orphaned yet
         self._timer: asyncio.TimerHandle | None = None
         self.coalesce_s = coalesce_s
+        # SQLite would checkpoint the WAL inside whichever commit fills it, on the event loop's
+        # thread when the lock was free; the session checkpoints on its background thread instead
+        ledger.db.execute("PRAGMA wal_autocheckpoint=0")
+        self._checkpointed = time.monotonic()
 
     # -- public ---------------------------------------------------------------------------------
     async def reserve(self, amount: float, **meta: Any) -> str:
@@ -532,7 +542,9 @@ class LedgerSession:
         for ref in list(self._open):
             self.orphan(ref, note=note)
         await self.flush()
+        await asyncio.get_running_loop().run_in_executor(self._executor, self.ledger.checkpoint)
         self._executor.shutdown(wait=True)
+        self.ledger.db.execute(f"PRAGMA wal_autocheckpoint={DEFAULT_WAL_AUTOCHECKPOINT}")
         if self.error is not None:
             raise self.error
 
@@ -552,7 +564,10 @@ class LedgerSession:
             reserves, self._reserves = self._reserves, []
             updates, self._updates = self._updates, []
             batch = [r for r, _ in reserves]
+            checkpoint = time.monotonic() - self._checkpointed >= CHECKPOINT_INTERVAL_S
             try:
+                if checkpoint:
+                    raise LedgerBusy("checkpoint due: on the background thread")
                 decisions = self.ledger.apply(batch, updates, wait=False)
             except LedgerBusy:
                 pass
@@ -562,9 +577,18 @@ class LedgerSession:
             else:
                 self._finish(decisions, None, reserves)
                 return
-            fut = asyncio.get_running_loop().run_in_executor(self._executor, self.ledger.apply, batch, updates)
+            if checkpoint:
+                self._checkpointed = time.monotonic()
+            fut = asyncio.get_running_loop().run_in_executor(self._executor, self._apply_in_thread, batch, updates, checkpoint)
             self._flushing = fut
             fut.add_done_callback(lambda f: self._finish(None if f.exception() else f.result(), f.exception(), reserves))
+
+    def _apply_in_thread(self, batch: list[Reserve], updates: list[tuple[str, str, dict[str, Any]]],
+                         checkpoint: bool) -> list[Decision]:
+        out = self.ledger.apply(batch, updates)
+        if checkpoint:
+            self.ledger.checkpoint()
+        return out
 
     def _finish(self, decisions: list[Decision] | None, exc: BaseException | None,
                 reserves: list[tuple[Reserve, asyncio.Future]]) -> None:

@@ -51,6 +51,7 @@ import signal
 import sys
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from email.utils import parsedate_to_datetime
@@ -59,7 +60,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from .budget import BudgetExhausted, BudgetLedger, LedgerSession, ledger_path
 from .config import DatasetSettings, dataset_settings, load_model_tokenizer, validate_config
-from .httpclient import Connection, Endpoint, TransportError
+from .httpclient import Connection, Endpoint, RequestHead, TransportError
 from .jsonl import ResponsesFileError, iter_json_lines, normalize_response_line
 from .prompts import Prompt, canonical_json, read_prompts, sha256_hex
 from .responses import parse_response
@@ -324,6 +325,8 @@ class ResponseCache:
         self._size = 0
         self._dirty = False
         self._synced = 0.0
+        self._syncing: Future | None = None  # the background fsync in progress
+        self._sync_thread: ThreadPoolExecutor | None = None
 
     def load(self) -> dict[str, tuple[int, int]]:
         self.index.clear()
@@ -367,7 +370,9 @@ class ResponseCache:
 
     def append_line(self, key: str, line: bytes) -> None:
         """Append one complete record line with a single ``write`` (crash-safe against a killed
-        process); ``fsync`` at most every :data:`FSYNC_INTERVAL_S`."""
+        process: the kernel has the bytes once ``write`` returns); ``fsync`` (against power loss)
+        at most every :data:`FSYNC_INTERVAL_S`, on a background thread so that a slow disk never
+        stalls the requests in flight."""
         if self._fd is None:
             self.open()
         assert self._fd is not None
@@ -379,14 +384,21 @@ class ResponseCache:
         self._size += len(line)
         self.index[key] = (offset, len(line))
         self._dirty = True
-        now = time.monotonic()
-        if now - self._synced >= FSYNC_INTERVAL_S:
-            self.sync()
+        if time.monotonic() - self._synced >= FSYNC_INTERVAL_S and (self._syncing is None or self._syncing.done()):
+            self._synced = time.monotonic()
+            self._dirty = False
+            if self._sync_thread is None:
+                self._sync_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cache-fsync")
+            self._syncing = self._sync_thread.submit(os.fsync, self._fd)
 
     def append(self, record: Mapping[str, Any]) -> None:
         self.append_line(record["cache_key"], (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
 
     def sync(self) -> None:
+        """``fsync`` now (after any background one), on the caller's thread."""
+        if self._syncing is not None:
+            self._syncing.result()
+            self._syncing = None
         if self._fd is not None and self._dirty:
             os.fsync(self._fd)
             self._dirty = False
@@ -406,6 +418,9 @@ class ResponseCache:
             self.sync()
             os.close(self._fd)
             self._fd = None
+        if self._sync_thread is not None:
+            self._sync_thread.shutdown(wait=True)
+            self._sync_thread = None
 
 
 def write_jsonl_atomic(path: str | Path, records: Iterable[Mapping[str, Any]]) -> int:
@@ -629,6 +644,7 @@ class GenerationJob:
         self.run_cpu_s = 0.0
         self.tasks: list[asyncio.Task] = []
         self.headers = {**cs.headers, "Content-Type": "application/json"}
+        self.head = RequestHead("POST", self.endpoint, self.headers)
         self.deadlines: dict[Any, float] = {}  # connection -> deadline of its attempt (one watchdog for all)
 
     # -- control --------------------------------------------------------------------------------
@@ -827,8 +843,7 @@ class GenerationJob:
         self.deadlines[conn] = time.monotonic() + self.cs.timeout_s
         try:
             try:
-                resp = await conn.request("POST", self.endpoint, self.headers, item.body_json.encode("utf-8"),
-                                          on_head, on_data)
+                resp = await conn.request("POST", self.endpoint, self.head, item.body_json.encode("utf-8"), on_head, on_data)
             except TransportError:
                 if conn.timed_out:  # aborted by the watchdog: this attempt's timeout
                     raise asyncio.TimeoutError() from None

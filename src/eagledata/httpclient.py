@@ -1,8 +1,10 @@
-"""A small HTTP/1.1 client on asyncio streams, one persistent connection per worker.
+"""A small HTTP/1.1 client on an asyncio protocol, one persistent connection per worker.
 
 Why not httpx: its connection pool scans every connection for every request (quadratic in the pool
 size); at 256 connections against a 50 ms endpoint it managed about 130 requests/s on one core
-here, where this client does about 4,800 at a third of a core (benchmarks/generation_throughput.py).
+here. This client parses responses inside the protocol's ``data_received`` (no stream reader, one
+future per request) and sustains concurrency/latency at 256 connections on well under one core
+(benchmarks/generation_throughput.py).
 
 Scope, deliberately small: ``http`` and ``https`` (system CA store), keep-alive, request bodies
 with ``Content-Length``, response bodies delimited by ``Content-Length``, ``chunked`` encoding or
@@ -14,12 +16,14 @@ have reached the server (``sent``).
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Mapping
 from urllib.parse import urlsplit
 
 MAX_HEADER_BYTES = 65536
+MAX_CHUNK_LINE = 4096
 
 
 class TransportError(Exception):
@@ -61,6 +65,15 @@ class Endpoint:
         return host if self.port == default else f"{host}:{self.port}"
 
 
+class RequestHead:
+    """A request's start line and headers, serialised once (everything but ``Content-Length``)."""
+
+    def __init__(self, method: str, ep: Endpoint, headers: Mapping[str, str]):
+        lines = [f"{method} {ep.path} HTTP/1.1", f"Host: {ep.host_header}"]
+        lines += [f"{k}: {v}" for k, v in headers.items()]
+        self.data = ("\r\n".join(lines) + "\r\n").encode("latin-1")
+
+
 _SSL_CONTEXT: ssl.SSLContext | None = None
 
 
@@ -71,144 +84,310 @@ def _ssl_context() -> ssl.SSLContext:
     return _SSL_CONTEXT
 
 
-@dataclass(eq=False)
+class _ProtocolError(Exception):
+    """The server's bytes are not HTTP/1.1 as this client reads it."""
+
+
+# parser states
+_HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _TRAILERS, _UNTIL_CLOSE, _IDLE = range(7)
+
+
+class _ResponseReader(asyncio.Protocol):
+    """Reads the responses of one connection, one at a time. :meth:`expect` arms it for the next
+    response; its future gets ``(status, headers, body, keep_alive)`` or an exception."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.state = _IDLE
+        self.waiter: asyncio.Future | None = None
+        self.head_only = False
+        self.on_head: Callable[[int, dict[str, str]], None] | None = None
+        self.on_data: Callable[[bytes], None] | None = None
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.parts: list[bytes] = []
+        self.remaining = 0
+        self.lost: BaseException | None = None
+        self.closed = False
+
+    # -- asyncio.Protocol ------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+
+    def data_received(self, data: bytes) -> None:
+        if self.state == _IDLE:
+            if data.strip():
+                self._fail(_ProtocolError(f"unexpected bytes between responses {bytes(data[:60])!r}"))
+            return
+        self.buf += data
+        try:
+            self._parse()
+        except Exception as exc:  # noqa: BLE001 - a protocol error, or raised by on_head/on_data
+            self._fail(exc)
+
+    def eof_received(self) -> bool:
+        return False  # close the transport; connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.state == _UNTIL_CLOSE:
+            self._complete(keep_alive=False)
+        elif self.waiter is not None and not self.waiter.done():
+            if exc is None:
+                started = self.state != _HEAD or self.buf
+                exc = ConnectionError("connection closed by the server" + (" mid-response" if started else ""))
+            elif not isinstance(exc, OSError):
+                exc = ConnectionError(f"{type(exc).__name__}: {exc}")
+            self._fail(exc)
+
+    # -- one response ------------------------------------------------------------------------------
+    def expect(self, waiter: asyncio.Future, head_only: bool, on_head: Callable[[int, dict[str, str]], None] | None,
+               on_data: Callable[[bytes], None] | None) -> None:
+        self.waiter, self.head_only, self.on_head, self.on_data = waiter, head_only, on_head, on_data
+        self.parts = []
+        self.state = _HEAD
+        if self.buf:
+            try:
+                self._parse()
+            except Exception as exc:  # noqa: BLE001 - as in data_received
+                self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        self.state = _IDLE
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(exc)
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _complete(self, keep_alive: bool) -> None:
+        self.state = _IDLE
+        body = b"".join(self.parts)
+        self.parts = []
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result((self.status, self.headers, body, keep_alive))
+
+    def _take(self, piece: bytes) -> None:
+        if piece:
+            self.parts.append(piece)
+            if self.on_data is not None:
+                self.on_data(piece)
+
+    def _parse(self) -> None:
+        """Consume what the buffer holds of the current response (an offset walks the buffer; the
+        consumed bytes are dropped once at the end)."""
+        buf = self.buf
+        pos = 0
+        try:
+            while True:
+                state = self.state
+                if state == _HEAD:
+                    end = buf.find(b"\r\n\r\n", pos)
+                    if end < 0:
+                        if len(buf) - pos > MAX_HEADER_BYTES:
+                            raise _ProtocolError("response header too large")
+                        return
+                    raw = bytes(buf[pos:end])
+                    pos = end + 4
+                    if self._head(raw):
+                        continue
+                    return
+                if state == _LENGTH or (state == _CHUNK_DATA and self.remaining):
+                    avail = len(buf) - pos
+                    if not avail:
+                        return
+                    k = min(self.remaining, avail)
+                    piece = bytes(buf[pos:pos + k])
+                    pos += k
+                    self.remaining -= k
+                    self._take(piece)
+                    if self.remaining:
+                        return
+                    if state == _LENGTH:
+                        self._finish_body()
+                        return
+                    continue  # the chunk's CRLF
+                if state == _CHUNK_DATA:  # chunk consumed: its CRLF
+                    if len(buf) - pos < 2:
+                        return
+                    if buf[pos:pos + 2] != b"\r\n":
+                        raise _ProtocolError("malformed chunked body (no CRLF after a chunk)")
+                    pos += 2
+                    self.state = _CHUNK_SIZE
+                    continue
+                if state == _CHUNK_SIZE:
+                    end = buf.find(b"\r\n", pos)
+                    if end < 0:
+                        if len(buf) - pos > MAX_CHUNK_LINE:
+                            raise _ProtocolError("malformed chunked body (chunk size line too long)")
+                        return
+                    try:
+                        size = int(buf[pos:end], 16)
+                    except ValueError:  # chunk extensions (";name=value"), or not a size at all
+                        line = bytes(buf[pos:end]).split(b";", 1)[0].strip()
+                        try:
+                            size = int(line, 16)
+                        except ValueError:
+                            raise _ProtocolError(f"malformed chunked body (chunk size {line[:40]!r})") from None
+                    if size < 0:
+                        raise _ProtocolError("malformed chunked body (negative chunk size)")
+                    pos = end + 2
+                    if size and len(buf) >= pos + size + 2:  # the whole chunk is here: take it in one step
+                        if buf[pos + size:pos + size + 2] != b"\r\n":
+                            raise _ProtocolError("malformed chunked body (no CRLF after a chunk)")
+                        piece = bytes(buf[pos:pos + size])
+                        pos += size + 2
+                        self._take(piece)
+                        continue
+                    self.remaining = size
+                    self.state = _TRAILERS if size == 0 else _CHUNK_DATA
+                    continue
+                if state == _TRAILERS:
+                    end = buf.find(b"\r\n", pos)
+                    if end < 0:
+                        if len(buf) - pos > MAX_HEADER_BYTES:
+                            raise _ProtocolError("chunked trailers too large")
+                        return
+                    blank = end == pos
+                    pos = end + 2
+                    if blank:
+                        self._finish_body()
+                        return
+                    continue
+                if state == _UNTIL_CLOSE:
+                    if len(buf) > pos:
+                        piece = bytes(buf[pos:])
+                        pos = len(buf)
+                        self._take(piece)
+                    return
+                return  # _IDLE
+        finally:
+            if pos:
+                del buf[:pos]
+
+    def _head(self, raw: bytes) -> bool:
+        """Parse one response head; ``True`` to go on parsing (a body or the next head follows)."""
+        lines = raw.decode("latin-1").split("\r\n")
+        parts = lines[0].split(" ", 2)
+        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+            raise _ProtocolError(f"malformed status line {lines[0][:100]!r}")
+        status = int(parts[1])
+        headers: dict[str, str] = {}
+        for line in lines[1:]:
+            if not line:
+                continue
+            name, sep, value = line.partition(":")
+            if not sep:
+                raise _ProtocolError(f"malformed header line {line[:100]!r}")
+            name, value = name.strip().lower(), value.strip()
+            headers[name] = f"{headers[name]}, {value}" if name in headers else value
+        if 100 <= status < 200 and status != 101:
+            return True  # interim response (100 Continue, 103 Early Hints): the real head follows
+        self.status, self.headers = status, headers
+        if self.on_head is not None:
+            self.on_head(status, headers)
+        if self.head_only or status in (204, 304):
+            self._finish_body()
+            return False
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            self.state = _CHUNK_SIZE
+        elif "content-length" in headers:
+            try:
+                self.remaining = int(headers["content-length"])
+            except ValueError:
+                raise _ProtocolError(f"malformed Content-Length {headers['content-length'][:40]!r}") from None
+            if self.remaining < 0:
+                raise _ProtocolError("negative Content-Length")
+            if self.remaining == 0:
+                self._finish_body()
+                return False
+            self.state = _LENGTH
+        else:
+            self.state = _UNTIL_CLOSE  # delimited by connection close
+            return True
+        return True
+
+    def _finish_body(self) -> None:
+        keep_alive = self.headers.get("connection", "").lower() != "close"
+        self._complete(keep_alive)
+
+
 class Connection:
     """One keep-alive connection to one host; not shared between concurrent requests."""
 
-    scheme: str
-    host: str
-    port: int
-    connect_timeout: float = 30.0
-    _reader: asyncio.StreamReader | None = field(default=None, repr=False)
-    _writer: asyncio.StreamWriter | None = field(default=None, repr=False)
-    timed_out: bool = False  # set by whoever calls abort() for a deadline
+    def __init__(self, scheme: str, host: str, port: int, connect_timeout: float = 30.0):
+        self.scheme, self.host, self.port, self.connect_timeout = scheme, host, port, connect_timeout
+        self.timed_out = False  # set by whoever calls abort() for a deadline
+        self._reader: _ResponseReader | None = None
 
     @property
     def is_open(self) -> bool:
-        return self._writer is not None and not self._writer.is_closing()
+        r = self._reader
+        return r is not None and not r.closed and r.transport is not None and not r.transport.is_closing()
 
-    async def _connect(self) -> None:
+    async def _connect(self) -> _ResponseReader:
+        loop = asyncio.get_running_loop()
+        tls = self.scheme == "https"
         try:
-            self._reader, self._writer = await asyncio.wait_for(
-                asyncio.open_connection(self.host, self.port, ssl=_ssl_context() if self.scheme == "https" else None,
-                                        server_hostname=self.host if self.scheme == "https" else None,
-                                        limit=1 << 20),
+            _, reader = await asyncio.wait_for(
+                loop.create_connection(_ResponseReader, self.host, self.port, ssl=_ssl_context() if tls else None,
+                                       server_hostname=self.host if tls else None),
                 self.connect_timeout)
         except asyncio.TimeoutError:
             raise TransportError(f"connect to {self.host}:{self.port} timed out after {self.connect_timeout:g} s", False) from None
         except (OSError, ssl.SSLError) as exc:
             raise TransportError(f"connect to {self.host}:{self.port} failed ({type(exc).__name__}: {exc})", False) from None
+        self._reader = reader
+        return reader
 
     def abort(self) -> None:
         """Drop the connection now (a pending :meth:`request` fails with :class:`TransportError`)."""
-        if self._writer is not None:
-            self._writer.transport.abort()
+        if self._reader is not None and self._reader.transport is not None:
+            self._reader.transport.abort()
 
     def close(self) -> None:
-        if self._writer is not None:
+        r, self._reader = self._reader, None
+        if r is not None and r.transport is not None:
             try:
-                self._writer.close()
+                r.transport.close()
             except Exception:  # noqa: BLE001 - closing a broken transport
                 pass
-        self._reader = self._writer = None
 
-    async def request(self, method: str, ep: Endpoint, headers: Mapping[str, str], body: bytes,
+    async def request(self, method: str, ep: Endpoint, headers: "Mapping[str, str] | RequestHead", body: bytes,
                       on_head: Callable[[int, dict[str, str]], None] | None = None,
                       on_data: Callable[[bytes], None] | None = None) -> Response:
         """Send one request and read the whole response. ``on_head`` sees the status and headers as
         soon as they arrive, ``on_data`` every body piece (e.g. to read a stream's first event).
-        On any failure the connection is closed and :class:`TransportError` raised."""
+        ``headers``: a mapping, or a :class:`RequestHead` built once for many requests (``method``
+        and ``ep`` must then be the ones it was built with). On any failure the connection is closed and :class:`TransportError` raised."""
         reused = self.is_open
-        if not reused:
-            await self._connect()
-        assert self._reader is not None and self._writer is not None
-        head = [f"{method} {ep.path} HTTP/1.1", f"Host: {ep.host_header}", f"Content-Length: {len(body)}"]
-        head += [f"{k}: {v}" for k, v in headers.items()]
-        sent = False
+        reader = self._reader if reused else await self._connect()
+        assert reader is not None and reader.transport is not None
+        if isinstance(headers, RequestHead):
+            head = headers.data
+        else:
+            head = RequestHead(method, ep, headers).data
+        waiter = asyncio.get_running_loop().create_future()
+        reader.expect(waiter, method == "HEAD", on_head, on_data)
         try:
-            self._writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body)
-            sent = True
-            status, resp_headers = await self._read_head()
-            if on_head is not None:
-                on_head(status, resp_headers)
-            data = await self._read_body(method, status, resp_headers, on_data)
-        except TransportError:
+            reader.transport.write(b"%sContent-Length: %d\r\n\r\n%s" % (head, len(body), body))
+            status, resp_headers, data, keep_alive = await waiter
+        except _ProtocolError as exc:
             self.close()
-            raise
-        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, ssl.SSLError) as exc:
+            raise TransportError(str(exc), True) from None
+        except (OSError, ValueError, ssl.SSLError) as exc:
             self.close()
-            what = "connection closed by the server" if isinstance(exc, asyncio.IncompleteReadError) else f"{type(exc).__name__}: {exc}"
-            raise TransportError(f"{what} ({'reused' if reused else 'new'} connection)", sent) from None
+            what = str(exc) if type(exc) is ConnectionError else f"{type(exc).__name__}: {exc}"
+            raise TransportError(f"{what} ({'reused' if reused else 'new'} connection)", True) from None
         except BaseException:  # cancelled mid-request: the connection state is unknown
             self.close()
             raise
-        if resp_headers.get("connection", "").lower() == "close":
+        if not keep_alive:
             self.close()
         return Response(status, resp_headers, data)
-
-    async def _read_head(self) -> tuple[int, dict[str, str]]:
-        assert self._reader is not None
-        while True:
-            raw = await self._reader.readuntil(b"\r\n\r\n")
-            if len(raw) > MAX_HEADER_BYTES:
-                raise TransportError("response header too large", True)
-            lines = raw.decode("latin-1").split("\r\n")
-            parts = lines[0].split(" ", 2)
-            if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
-                raise TransportError(f"malformed status line {lines[0][:100]!r}", True)
-            status = int(parts[1])
-            headers: dict[str, str] = {}
-            for line in lines[1:]:
-                if not line:
-                    continue
-                name, sep, value = line.partition(":")
-                if not sep:
-                    raise TransportError(f"malformed header line {line[:100]!r}", True)
-                name, value = name.strip().lower(), value.strip()
-                headers[name] = f"{headers[name]}, {value}" if name in headers else value
-            if 100 <= status < 200 and status != 101:
-                continue  # interim response (100 Continue, 103 Early Hints)
-            return status, headers
-
-    async def _read_body(self, method: str, status: int, headers: Mapping[str, str],
-                         on_data: Callable[[bytes], None] | None) -> bytes:
-        r = self._reader
-        assert r is not None
-        if method == "HEAD" or status in (204, 304):
-            return b""
-        parts: list[bytes] = []
-
-        def take(piece: bytes) -> None:
-            if piece:
-                parts.append(piece)
-                if on_data is not None:
-                    on_data(piece)
-
-        if "chunked" in headers.get("transfer-encoding", "").lower():
-            while True:
-                size_line = await r.readuntil(b"\r\n")
-                size = int(size_line.split(b";", 1)[0].strip(), 16)
-                if size == 0:
-                    while (await r.readuntil(b"\r\n")) != b"\r\n":  # trailers
-                        pass
-                    break
-                data = await r.readexactly(size + 2)  # the chunk and its CRLF in one read
-                if data[-2:] != b"\r\n":
-                    raise TransportError("malformed chunked body", True)
-                take(data[:-2])
-        elif "content-length" in headers:
-            remaining = int(headers["content-length"])
-            if remaining <= 1 << 22:  # the common case: one read
-                take(await r.readexactly(remaining))
-                remaining = 0
-            while remaining > 0:
-                piece = await r.read(min(remaining, 1 << 16))
-                if not piece:
-                    raise asyncio.IncompleteReadError(b"", remaining)
-                remaining -= len(piece)
-                take(piece)
-        else:  # delimited by connection close
-            while piece := await r.read(1 << 16):
-                take(piece)
-            self.close()
-        return b"".join(parts)

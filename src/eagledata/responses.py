@@ -166,47 +166,57 @@ def _parse_sse(raw: str) -> ParsedResponse:
             raise ValueError("chunk count changed")
     except ValueError:
         chunks = [json.loads(p) for p in payloads]  # raises on the offending chunk
+    gid = provider = model = None
     for chunk in chunks:
         if not isinstance(chunk, dict):
             raise ValueError("stream chunk is not a JSON object")
-        out.generation_id = out.generation_id or chunk.get("id")
-        out.provider = out.provider or chunk.get("provider")
-        out.model = out.model or chunk.get("model")
-        if chunk.get("usage"):
-            out.usage = chunk["usage"]
+        if not gid:
+            gid = chunk.get("id")
+        if not provider:
+            provider = chunk.get("provider")
+        if not model:
+            model = chunk.get("model")
+        usage = chunk.get("usage")
+        if usage:
+            out.usage = usage
         if chunk.get("error"):
             out.error = _error_from(chunk["error"], "stream")
-        for choice in chunk.get("choices") or []:
-            delta = choice.get("delta") or {}
-            if isinstance(delta.get("content"), str):
-                saw_content = True
-                content.append(delta["content"])
-            if isinstance(delta.get("reasoning"), str):
-                saw_reasoning = True
-                reasoning.append(delta["reasoning"])
-            elif isinstance(delta.get("reasoning_content"), str):
-                saw_reasoning = True
-                reasoning.append(delta["reasoning_content"])
-            dt = _reasoning_from_details(delta.get("reasoning_details"))
-            if dt is not None:
-                details_text.append(dt)
-            for tc in delta.get("tool_calls") or []:
-                idx = tc.get("index", len(calls))
-                fn = tc.get("function") or {}
-                call = calls.setdefault(idx, ToolCall(None, "", "", idx))
-                if tc.get("id") and not call.id:
-                    call.id = tc["id"]
-                name = fn.get("name")
-                if name and name != call.name:
-                    call.name += name
-                args = fn.get("arguments")
-                if isinstance(args, str):
-                    call.arguments += args
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta")
+            if delta:
+                text = delta.get("content")
+                if isinstance(text, str):
+                    saw_content = True
+                    content.append(text)
+                text = delta.get("reasoning")
+                if not isinstance(text, str):
+                    text = delta.get("reasoning_content")
+                if isinstance(text, str):
+                    saw_reasoning = True
+                    reasoning.append(text)
+                details = delta.get("reasoning_details")
+                if details:
+                    dt = _reasoning_from_details(details)
+                    if dt is not None:
+                        details_text.append(dt)
+                for tc in delta.get("tool_calls") or ():
+                    idx = tc.get("index", len(calls))
+                    fn = tc.get("function") or {}
+                    call = calls.setdefault(idx, ToolCall(None, "", "", idx))
+                    if tc.get("id") and not call.id:
+                        call.id = tc["id"]
+                    name = fn.get("name")
+                    if name and name != call.name:
+                        call.name += name
+                    args = fn.get("arguments")
+                    if isinstance(args, str):
+                        call.arguments += args
             if choice.get("finish_reason"):
                 out.finish_reason = choice["finish_reason"]
                 out.native_finish_reason = choice.get("native_finish_reason")
             if choice.get("error"):
                 out.error = _error_from(choice["error"], "stream")
+    out.generation_id, out.provider, out.model = gid or None, provider or None, model or None
     out.content = "".join(content) if saw_content else None
     if saw_reasoning:
         out.reasoning = "".join(reasoning)

@@ -1,0 +1,180 @@
+"""The HTTP/1.1 client against a scripted server on loopback: keep-alive, chunked bodies split at
+every byte, 1xx, close-delimited bodies, and each way a connection can fail (with ``sent``)."""
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from eagledata.httpclient import Connection, Endpoint, RequestHead, TransportError
+
+
+async def _read_request(reader: asyncio.StreamReader) -> bytes | None:
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return None
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":", 1)[1])
+    return head + await reader.readexactly(length)
+
+
+def serve(script):
+    """Run ``script(client_endpoint, requests, connections)`` against a server that answers the
+    n-th request with ``answers[n]``: a list of byte strings (written with a pause between them),
+    or ``"close"`` (drop the connection without answering)."""
+
+    def decorator(answers):
+        async def main():
+            requests: list[bytes] = []
+            connections = []
+            it = iter(answers)
+
+            async def handle(reader, writer):
+                connections.append(writer)
+                while (req := await _read_request(reader)) is not None:
+                    requests.append(req)
+                    answer = next(it)
+                    if answer == "close":
+                        writer.close()
+                        return
+                    for piece in answer:
+                        if piece == "close":
+                            writer.close()
+                            return
+                        writer.write(piece)
+                        await writer.drain()
+                        await asyncio.sleep(0.002)
+                writer.close()
+
+            server = await asyncio.start_server(handle, "127.0.0.1", 0)
+            port = server.sockets[0].getsockname()[1]
+            try:
+                return await script(Endpoint.parse(f"http://127.0.0.1:{port}/api/v1/x?y=1"), requests, connections)
+            finally:
+                server.close()
+
+        return asyncio.run(main())
+
+    return decorator
+
+
+def ep_port(request: bytes) -> int:
+    return int(request.split(b"\r\nHost: 127.0.0.1:", 1)[1].split(b"\r\n", 1)[0])
+
+
+def _conn(ep: Endpoint) -> Connection:
+    return Connection(ep.scheme, ep.host, ep.port, connect_timeout=5)
+
+
+def test_keep_alive_content_length_and_request_head():
+    async def script(ep, requests, connections):
+        c = _conn(ep)
+        head = RequestHead("POST", ep, {"Authorization": "Bearer k", "Content-Type": "application/json"})
+        r1 = await c.request("POST", ep, head, b'{"a":1}')
+        r2 = await c.request("POST", ep, {"X-Other": "v"}, b"")
+        c.close()
+        return r1, r2, requests, len(connections)
+
+    r1, r2, requests, n_conn = serve(script)([
+        [b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nX-Generation-Id: gen-1\r\nX-Rep: a\r\nX-Rep: b\r\n\r\n", b"hel", b"lo"],
+        [b"HTTP/1.1 429 Too Many\r\ncontent-length: 2\r\nRetry-After: 3\r\n\r\nno"]])
+    assert (r1.status, r1.body, r1.headers["x-generation-id"], r1.headers["x-rep"]) == (200, b"hello", "gen-1", "a, b")
+    assert (r2.status, r2.body, r2.headers["retry-after"]) == (429, b"no", "3")
+    assert n_conn == 1  # the second request reused the connection
+    start, _, rest = requests[0].partition(b"\r\nAuthorization")
+    assert start == b"POST /api/v1/x?y=1 HTTP/1.1\r\nHost: 127.0.0.1:%d" % ep_port(requests[0])
+    assert rest == b": Bearer k\r\nContent-Type: application/json\r\nContent-Length: 7\r\n\r\n{\"a\":1}"
+    assert b"X-Other: v\r\n" in requests[1] and requests[1].endswith(b"Content-Length: 0\r\n\r\n")
+
+
+def test_chunked_body_split_at_every_byte_with_extensions_trailers_and_1xx():
+    body_chunks = [b"data: {\"id\":\"gen-7\"}\n\n", b"data: [DONE]\n\n"]
+    wire = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    wire += b"".join(b"%x;ext=1\r\n%s\r\n" % (len(c), c) for c in body_chunks) + b"0\r\nX-Trailer: t\r\n\r\n"
+    seen: list = []
+
+    async def script(ep, requests, connections):
+        c = _conn(ep)
+        r = await c.request("POST", ep, {}, b"{}", on_head=lambda s, h: seen.append(("head", s)),
+                            on_data=lambda piece: seen.append(("data", piece)))
+        again = await c.request("GET", ep, {}, b"")
+        return r, again, len(connections)
+
+    r, again, n_conn = serve(script)([[wire[i:i + 1] for i in range(len(wire))],
+                                      [b"HTTP/1.1 204 No Content\r\n\r\n"]])
+    assert r.status == 200 and r.body == b"".join(body_chunks)
+    assert seen[0] == ("head", 200)  # the interim 100 is skipped
+    assert b"".join(p for kind, p in seen if kind == "data") == r.body  # pieces delivered as they came
+    assert again.status == 204 and again.body == b"" and n_conn == 1
+
+
+def test_body_delimited_by_close_and_connection_close_header():
+    async def script(ep, requests, connections):
+        c = _conn(ep)
+        r1 = await c.request("POST", ep, {}, b"")
+        open_after_1 = c.is_open
+        r2 = await c.request("POST", ep, {}, b"")
+        return r1, open_after_1, r2, c.is_open, len(connections)
+
+    r1, open1, r2, open2, n_conn = serve(script)([
+        [b"HTTP/1.1 200 OK\r\n\r\n", b"until ", b"close", "close"],
+        [b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok"]])
+    assert (r1.body, open1) == (b"until close", False)
+    assert (r2.body, open2, n_conn) == (b"ok", False, 2)
+
+
+@pytest.mark.parametrize("answer, message", [
+    ("close", "connection closed by the server (new connection)"),
+    ([b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc", "close"], "connection closed by the server mid-response"),
+    ([b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"], "malformed chunked body"),
+    ([b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabcXY"], "no CRLF after a chunk"),
+    ([b"SPDY/9 200\r\n\r\n"], "malformed status line"),
+    ([b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n"], "malformed header line"),
+    ([b"HTTP/1.1 200 OK\r\nContent-Length: -4\r\n\r\n"], "negative Content-Length"),
+])
+def test_broken_answers_are_transport_errors_after_sending(answer, message):
+    async def script(ep, requests, connections):
+        c = _conn(ep)
+        with pytest.raises(TransportError) as exc:
+            await c.request("POST", ep, {}, b"{}")
+        return exc.value, c.is_open
+
+    err, still_open = serve(script)([answer])
+    assert message in str(err) and err.sent is True and not still_open
+
+
+def test_connect_failure_is_not_sent_and_abort_fails_the_pending_request():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ep = Endpoint.parse(f"http://127.0.0.1:{port}/")
+
+    async def refused():
+        with pytest.raises(TransportError) as exc:
+            await _conn(ep).request("POST", ep, {}, b"")
+        return exc.value
+
+    err = asyncio.run(refused())
+    assert err.sent is False and "connect to 127.0.0.1" in str(err)
+
+    async def script(ep, requests, connections):
+        c = _conn(ep)
+        asyncio.get_running_loop().call_later(0.05, c.abort)
+        with pytest.raises(TransportError) as exc:
+            await c.request("POST", ep, {}, b"")  # the server never answers
+        return exc.value
+
+    err = serve(script)([[b"HTTP/1.1 200 OK\r\n"]])  # a head that never ends
+    assert err.sent is True
+
+
+def test_endpoint_parsing():
+    assert Endpoint.parse("https://openrouter.ai/api/v1/chat/completions") == Endpoint("https", "openrouter.ai", 443,
+                                                                                      "/api/v1/chat/completions")
+    assert Endpoint.parse("http://[::1]:8080").host_header == "[::1]:8080"
+    with pytest.raises(ValueError, match="unsupported URL"):
+        Endpoint.parse("ftp://x/")
