@@ -116,7 +116,7 @@ def test_budget_never_exceeded_two_datasets_in_parallel_256_in_flight(tmp_path, 
     tok, fam = k25
     price = {"prompt": 1.0, "completion": 10.0}
     n = 320
-    with SimulatorServer(tok, fam, seed=5, latency_ms=150, price_per_mtok=price) as sim:
+    with SimulatorServer(tok, fam, seed=5, latency_ms=400, price_per_mtok=price) as sim:
         cfg = make_config(tmp_path, tmp_path / "unused", tok.source, api_base=sim.base_url, max_tokens=40,
                           concurrency=256, timeout_s=60)
         cfg["models"]["m"]["price_per_mtok"] = price
@@ -130,7 +130,7 @@ def test_budget_never_exceeded_two_datasets_in_parallel_256_in_flight(tmp_path, 
         assert all(c == 0 or "stopped: budget" in log for c, log in zip(codes, logs)), logs
         assert sim.billed_usd <= cfg["budget_usd"] + 1e-9
         assert sim.billed_usd >= 0.6 * cfg["budget_usd"]  # it spent most of it
-        assert sim.max_in_flight >= 256  # the two jobs really had hundreds of requests in flight
+        assert sim.max_in_flight > 256  # both jobs had their hundreds of requests in flight at once
         led = BudgetLedger(ledger_path(cfg["cache_dir"]))
         totals = led.totals()
         assert sum(t["spent"] for t in totals.values()) == pytest.approx(sim.billed_usd)
@@ -196,8 +196,8 @@ def test_jobs_starting_together_all_open_a_new_ledger(tmp_path):
 
 
 def test_reservations_asked_ahead_never_wait_and_unused_ones_are_given_back(tmp_path):
-    """``reserve_ahead`` is granted only when it fits at once (else ``None``, nothing held); a
-    granted one that is never used, or whose asker is cancelled, is settled at 0 (not sent), so it
+    """``reserve_ahead`` is granted only when it fits at once with the cap at most half used (else
+    ``None``, nothing held); a granted one that is never used, or whose asker is cancelled, is settled at 0 (not sent), so it
     frees its budget and is not left as an orphan."""
     led = BudgetLedger(tmp_path / "b.sqlite")
 
@@ -205,13 +205,14 @@ def test_reservations_asked_ahead_never_wait_and_unused_ones_are_given_back(tmp_
         s = LedgerSession(led, "a", 1.0, None)
         r1 = await s.reserve(0.6)
         assert await s.reserve_ahead(0.5) is None  # does not fit now: no wait, nothing held
+        s.settle(r1, 0.2)
+        assert await s.reserve_ahead(0.31) is None  # would fill the cap past half (0.2 + 0.31)
         ahead = s.reserve_ahead(0.3)
         ref = await ahead
-        assert ref is not None and led.totals()["a"]["held"] == pytest.approx(0.9)
+        assert ref is not None and led.totals()["a"]["held"] == pytest.approx(0.3)
         s.give_back(ahead)
         cancelled = s.reserve_ahead(0.05)
         s.give_back(cancelled)  # not decided yet: cancelled, settled at 0 when the grant comes
-        s.settle(r1, 0.2)
         await s.close()
 
     asyncio.run(run())

@@ -178,3 +178,49 @@ def test_endpoint_parsing():
     assert Endpoint.parse("http://[::1]:8080").host_header == "[::1]:8080"
     with pytest.raises(ValueError, match="unsupported URL"):
         Endpoint.parse("ftp://x/")
+
+
+def test_https_verifies_the_server_certificate(tmp_path, monkeypatch):
+    """TLS with the system trust store (here: a self-signed certificate made trusted through
+    SSL_CERT_FILE, which OpenSSL reads for its default paths); an untrusted one fails to connect."""
+    import shutil
+    import ssl
+    import subprocess
+
+    import eagledata.httpclient as hc
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl command not available")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "2", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost"],
+                   check=True, capture_output=True)
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(cert, key)
+
+    async def main():
+        async def handle(reader, writer):
+            while await _read_request(reader) is not None:
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nsecret")
+                await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=server_ctx)
+        ep = Endpoint.parse(f"https://localhost:{server.sockets[0].getsockname()[1]}/v1")
+        try:
+            monkeypatch.setattr(hc, "_SSL_CONTEXT", None)
+            monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "nothing-trusted.pem"))
+            with pytest.raises(TransportError, match="connect to localhost") as exc:
+                await _conn(ep).request("GET", ep, {}, b"")
+            assert exc.value.sent is False
+            monkeypatch.setattr(hc, "_SSL_CONTEXT", None)
+            monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+            c = _conn(ep)
+            answers = [await c.request("GET", ep, {}, b"") for _ in range(2)]
+            c.close()
+            return answers
+        finally:
+            server.close()
+
+    answers = asyncio.run(main())
+    assert [(r.status, r.body) for r in answers] == [(200, b"secret")] * 2

@@ -76,6 +76,10 @@ CREATE TABLE IF NOT EXISTS key_snapshots (
 """
 
 HELD_STATES = ("reserved", "orphaned")
+# A reservation asked ahead (a worker's next request) is granted only while spent + held stays within
+# this share of each cap: near a cap, requests reserve one at a time, so parallel jobs share the rest
+# and none holds room it is not using yet.
+AHEAD_MAX_FILL = 0.5
 CHECKPOINT_INTERVAL_S = 1.0  # a generation job checkpoints the WAL this often, off the event loop
 DEFAULT_WAL_AUTOCHECKPOINT = 1000  # SQLite's default (pages)
 
@@ -332,6 +336,11 @@ class BudgetLedger:
         s_all = sum(t[0] for t in totals.values())
         h_all = sum(t[1] for t in totals.values())
         s_ds, h_ds = totals.get(r.dataset, (0.0, 0.0))
+        if r.ahead:  # asked ahead of need: only while each cap stays at most AHEAD_MAX_FILL used
+            if ((r.budget_usd is not None and s_all + h_all + r.amount > AHEAD_MAX_FILL * r.budget_usd + EPS)
+                    or (r.dataset_budget_usd is not None
+                        and s_ds + h_ds + r.amount > AHEAD_MAX_FILL * r.dataset_budget_usd + EPS)):
+                return Decision(False, "asked ahead near the cap")
         if r.budget_usd is not None and s_all + h_all + r.amount > r.budget_usd + EPS:
             return Decision(False, f"budget_usd {r.budget_usd:g}: spent ${s_all:.4f} + held ${h_all:.4f} "
                                    f"+ this request's worst case ${r.amount:.4f} would pass it")
@@ -486,8 +495,8 @@ class LedgerSession:
     def reserve_ahead(self, amount: float, **meta: Any) -> asyncio.Future:
         """Ask now for a reservation that will be needed soon (a worker's next request, asked while
         its current one is in flight, so that it goes out without waiting for the ledger). The
-        future's result is the reservation's ref when ``amount`` fits at once, else ``None`` (then
-        :meth:`reserve` when the time comes). A granted ref that ends up unused must be handed to
+        future's result is the reservation's ref when ``amount`` fits at once within
+        :data:`AHEAD_MAX_FILL` of the caps, else ``None`` (then :meth:`reserve` when the time comes). A granted ref that ends up unused must be handed to
         :meth:`give_back`; until then it is held like any reservation."""
         fut = asyncio.get_running_loop().create_future()
         self._reserves.append((Reserve(new_ref(), self.dataset, amount, self.budget_usd, self.dataset_budget_usd,
