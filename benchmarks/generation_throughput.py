@@ -9,6 +9,8 @@ ledger, the response cache and progress) runs here with ``concurrency`` workers 
                      that time (each record's started_at + elapsed_s); also printed for the whole
                      request phase, which adds the ramp-up (connections opened) and the last wave
   client CPU       = this process's CPU time / wall time        target < 1 core
+  ceiling          = the same requests sent by a bare loop over the same HTTP client (no ledger,
+                     cache, parsing): what the stand-in, the cores and loopback allow at that moment
 
 Samples are ``--prompts`` distinct prompts x ``--samples`` each (identical bodies without a seed, so
 the stand-in answers from its completion memo and its own CPU is not what is measured).
@@ -84,6 +86,44 @@ def one_round(args: argparse.Namespace, tok: Path, base: str, tmp: Path, stand_i
             "us_per_request": 1e6 * pcpu / n, "stand_in_core": server_cpu / wall}
 
 
+def bare_round(args: argparse.Namespace, base: str) -> dict:
+    """The same requests with nothing but the HTTP client (no ledger, cache, parsing or records):
+    what this stand-in, these cores and loopback allow at this moment, the ceiling for the job."""
+    import asyncio
+
+    from eagledata.generate import uvloop_run
+    from eagledata.httpclient import Connection, Endpoint, RequestHead
+
+    ep = Endpoint.parse(base + "/chat/completions")
+    head = RequestHead("POST", ep, {"Authorization": "Bearer x", "Content-Type": "application/json"})
+    bodies = [json.dumps({"model": "moonshotai/kimi-k2.5", "messages": [{"role": "user", "content": f"Question {i}?"}],
+                          "max_tokens": 256, "stream": args.stream}).encode() for i in range(args.prompts)]
+    n = max(1, args.requests // args.prompts) * args.prompts
+
+    async def run() -> dict:
+        pending = iter(range(n))
+        done: list[float] = []
+
+        async def worker() -> None:
+            conn = Connection(ep.scheme, ep.host, ep.port)
+            for i in pending:
+                r = await conn.request("POST", ep, head, bodies[i % len(bodies)])
+                assert r.status == 200, r.body[:200]
+                done.append(time.perf_counter())
+            conn.close()
+
+        c0, w0 = time.process_time(), time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+        ideal = args.concurrency / (args.latency_ms / 1000)
+        lo, hi = n // 10, n * 9 // 10
+        return {"steady": (hi - lo) / (done[hi] - done[lo]) / ideal, "phase": n / wall / ideal, "core": cpu / wall,
+                "us_per_request": 1e6 * cpu / n}
+
+    runner = uvloop_run(args.event_loop)
+    return runner(run()) if runner is not None else asyncio.run(run())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=8192)
@@ -112,6 +152,9 @@ def main() -> int:
                     raise SystemExit(f"stand-in did not start: {server.stderr.read().decode()[-2000:]}")
                 time.sleep(0.05)
             base = f"http://127.0.0.1:{port_file.read_text()}/api/v1"
+            bare = bare_round(args, base)
+            print(f"bare HTTP loop: steady {bare['steady']:.3f}, request phase {bare['phase']:.3f}, "
+                  f"{bare['core']:.2f} core, {bare['us_per_request']:.0f} us CPU/request")
             for i in range(args.rounds):
                 r = one_round(args, tok, base, tmp / f"round{i}", server.pid)
                 rounds.append(r)
@@ -139,6 +182,9 @@ def main() -> int:
           f"{med('cpu_core'):.2f} over the whole job   target < 1")
     print(f"client cost: {med('us_per_request'):.0f} us CPU per request {span('us_per_request', '.0f')}, i.e. one core "
           f"would sustain {1e6 / med('us_per_request') / ideal:.2f} x concurrency/latency")
+    print(f"ceiling here and now (the bare HTTP loop above, same stand-in and cores): steady {bare['steady']:.3f}, "
+          f"request phase {bare['phase']:.3f}; the job reaches {med('steady') / bare['steady']:.3f} and "
+          f"{med('phase') / bare['phase']:.3f} of it")
     print(f"stand-in CPU: {med('stand_in_core'):.2f} core (a Python server on the same {os.cpu_count()} cores)")
     print(f"machine load average: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     return 0
