@@ -275,3 +275,31 @@ def test_note_and_settlement_of_one_reservation_in_one_batch(tmp_path):
     rows = dict(led.db.execute("SELECT ref, generation_id FROM reservations").fetchall())
     assert rows == {"r1": "g1", "r2": "g2"}  # the kept note and the settlement both recorded the id
     led.close()
+
+
+def test_close_settles_a_reservation_asked_ahead_that_is_granted_during_close(tmp_path):
+    """The ledger is locked by another process when the job ends, so a reservation asked ahead is
+    still undecided: close() waits for it, and settles it at 0 (nobody claimed it: never sent)."""
+    path = tmp_path / "b.sqlite"
+    led = BudgetLedger(path)
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sqlite3, time\n"
+        f"db = sqlite3.connect({str(path)!r}, isolation_level=None)\n"
+        "db.execute('BEGIN IMMEDIATE'); print('locked', flush=True); time.sleep(0.5); db.execute('COMMIT')\n")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+
+        async def run() -> None:
+            s = LedgerSession(led, "d", 10.0, None)
+            s.reserve_ahead(1.0)
+            await asyncio.sleep(0.05)  # its batch waits for the lock on the session's thread
+            await s.close()
+
+        asyncio.run(run())
+    finally:
+        holder.wait(10)
+    rows = led.db.execute("SELECT state, cost, note FROM reservations").fetchall()
+    assert rows == [("settled", 0.0, "not sent: job ended")]
+    assert led.totals()["d"] == {"spent": 0.0, "held": 0.0}
+    led.close()

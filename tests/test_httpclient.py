@@ -22,10 +22,18 @@ async def _read_request(reader: asyncio.StreamReader) -> bytes | None:
     return head + await reader.readexactly(length)
 
 
-def serve(script):
+def run_loop(coro, loop: str = "asyncio"):
+    if loop == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        return uvloop.run(coro)
+    return asyncio.run(coro)
+
+
+def serve(script, loop: str = "asyncio", on_accept: bytes | None = None):
     """Run ``script(client_endpoint, requests, connections)`` against a server that answers the
     n-th request with ``answers[n]``: a list of byte strings (written with a pause between them),
-    or ``"close"`` (drop the connection without answering)."""
+    or ``"close"`` (drop the connection without answering). ``on_accept``: bytes written, and the
+    connection closed, as soon as a connection is accepted (before any request)."""
 
     def decorator(answers):
         async def main():
@@ -35,6 +43,10 @@ def serve(script):
 
             async def handle(reader, writer):
                 connections.append(writer)
+                if on_accept is not None:
+                    writer.write(on_accept)
+                    writer.close()
+                    return
                 while (req := await _read_request(reader)) is not None:
                     requests.append(req)
                     answer = next(it)
@@ -57,7 +69,7 @@ def serve(script):
             finally:
                 server.close()
 
-        return asyncio.run(main())
+        return run_loop(main(), loop)
 
     return decorator
 
@@ -134,7 +146,9 @@ def test_body_delimited_by_close_and_connection_close_header():
     ([b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabcXY"], "no CRLF after a chunk"),
     ([b"SPDY/9 200\r\n\r\n"], "malformed status line"),
     ([b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n"], "malformed header line"),
-    ([b"HTTP/1.1 200 OK\r\nContent-Length: -4\r\n\r\n"], "negative Content-Length"),
+    ([b"HTTP/1.1 200 OK\r\nContent-Length: -4\r\n\r\n"], "malformed Content-Length '-4'"),
+    ([b"HTTP/1.1 200 OK\r\nContent-Length: 1_0\r\n\r\n"], "malformed Content-Length '1_0'"),
+    ([b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n+5\r\nhello\r\n"], "chunk size line b'+5'"),
 ])
 def test_broken_answers_are_transport_errors_after_sending(answer, message):
     async def script(ep, requests, connections):
@@ -224,3 +238,89 @@ def test_https_verifies_the_server_certificate(tmp_path, monkeypatch):
 
     answers = asyncio.run(main())
     assert [(r.status, r.body) for r in answers] == [(200, b"secret")] * 2
+
+
+LOOPS = ["asyncio", "uvloop"]
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_body_delimited_by_close_is_incomplete_when_the_client_aborts(loop):
+    """The watchdog aborts a request whose close-delimited body is still coming: an error, never
+    the partial body as a complete answer."""
+    async def script(ep, requests, connections):
+        c = _conn(ep)
+        asyncio.get_running_loop().call_later(0.1, c.abort)
+        with pytest.raises(TransportError, match="aborted by the client") as exc:
+            await c.request("POST", ep, {}, b"{}")
+        return exc.value
+
+    err = serve(script, loop)([[b"HTTP/1.1 200 OK\r\n\r\n", b'{"partial": ']])
+    assert err.sent is True
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_bytes_beyond_a_response_never_answer_the_next_request(loop):
+    """Content-Length understates the body: the extra bytes (even a whole fake response) are not
+    taken as the next answer; the connection is dropped and the next request gets its own answer.
+    A stray CRLF after a body is tolerated and the connection reused."""
+    async def script(ep, requests, connections):
+        c = _conn(ep)
+        out = [await c.request("POST", ep, {}, b"") for _ in range(4)]
+        return [r.body for r in out], len(connections)
+
+    bodies, n_conn = serve(script, loop)([
+        [b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nA1HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nSTALE"],
+        [b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nFRESH\r\n"],
+        [b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nA3"],
+        [b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nA4"]])
+    assert bodies == [b"A1", b"FRESH", b"A3", b"A4"]
+    assert n_conn == 2  # a new connection after the stale bytes; the stray CRLF did not cost one
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("on_accept", [b"", b"HTTP/1.1 503 Busy\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"])
+def test_a_server_that_closes_before_the_request_is_a_transport_error(loop, on_accept):
+    """Answered (or closed) right after accept: a TransportError, never another exception; when the
+    client saw the close before writing, ``sent`` is False."""
+    async def script(ep, requests, connections):
+        outcomes = []
+        for _ in range(5):
+            try:
+                await _conn(ep).request("POST", ep, {}, b"{}")
+                outcomes.append("answered")
+            except TransportError as exc:
+                outcomes.append(exc.sent)
+        return outcomes, requests
+
+    outcomes, requests = serve(script, loop, on_accept=on_accept)([])
+    assert "answered" not in outcomes and requests == []
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_abort_while_connecting_means_not_sent(loop):
+    async def script(ep, requests, connections):
+        c = _conn(ep)
+        task = asyncio.ensure_future(c.request("POST", ep, {}, b"{}"))
+        await asyncio.sleep(0)  # the request is connecting
+        c.abort()
+        with pytest.raises(TransportError, match="aborted while connecting") as exc:
+            await task
+        await asyncio.sleep(0.05)
+        return exc.value, requests
+
+    err, requests = serve(script, loop)([[b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"]])
+    assert err.sent is False and requests == []
+
+
+@pytest.mark.parametrize("version, connection, reused", [("1.0", "", False), ("1.0", "keep-alive", True), ("1.1", "", True)])
+def test_http_10_keeps_the_connection_only_when_asked(version, connection, reused):
+    head = b"HTTP/%s 200 OK\r\nContent-Length: 1\r\n" % version.encode()
+    if connection:
+        head += b"Connection: %s\r\n" % connection.encode()
+
+    async def script(ep, requests, connections):
+        c = _conn(ep)
+        await c.request("GET", ep, {}, b"")
+        return c.is_open
+
+    assert serve(script)([[head + b"\r\nx"]]) is reused

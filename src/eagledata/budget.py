@@ -9,8 +9,10 @@ the attempt is SETTLED at ``usage.cost`` (HTTP errors and errors in 200 bodies a
 cost, else 0, as OpenRouter does not bill them).
 
 States of a row: ``reserved`` (in flight, counts as held), ``settled`` (counts its ``cost``),
-``orphaned`` (the answer was lost: a timeout after sending, a mid-stream failure without a cost, a
-cancelled request, or a process that died; counts as held, i.e. as spent, until reconciled).
+``orphaned`` (the answer was lost: a timeout after sending, a stream cut mid-way or a 200 body that
+does not parse, without a cost; a cancelled request, or a process that died; counts as held, i.e. as
+spent, until reconciled). A reservation that certainly was not sent (connect failed, job stopped
+first, asked ahead and never used) is settled at 0.
 Orphans are reconciled (settled) from the response cache (the record carries the reservation's
 ``ledger_ref``), from ``GET /generation?id=`` when the generation id was recorded (``X-Generation-Id``
 header, the JSON body's or the first stream chunk's ``id``), or from the key's usage delta
@@ -463,6 +465,8 @@ class LedgerSession:
         self.spent = 0.0  # settled by this session
         self.error: BaseException | None = None
         self._open: set[str] = set()  # granted, neither settled nor orphaned yet
+        self._unclaimed: set[str] = set()  # of those, asked ahead and not yet claimed for a request
+        self._released = 0  # settlements so far (a refused reservation asks again if one came since)
         self._timer: asyncio.TimerHandle | None = None
         self.coalesce_s = coalesce_s
         # SQLite would checkpoint the WAL inside whichever commit fills it, on the event loop's
@@ -471,10 +475,12 @@ class LedgerSession:
         self._checkpointed = time.monotonic()
 
     # -- public ---------------------------------------------------------------------------------
-    async def reserve(self, amount: float, **meta: Any) -> str:
+    async def reserve(self, amount: float, stop: asyncio.Event | None = None, **meta: Any) -> str | None:
         """Reserve ``amount``; waits while budget may be freed by requests in flight (here or in
-        other processes); raises :class:`BudgetExhausted` when it cannot fit."""
+        other processes); raises :class:`BudgetExhausted` when it cannot fit; returns ``None`` if
+        ``stop`` is set while it waits."""
         while True:
+            released = self._released
             ref = new_ref()
             fut = asyncio.get_running_loop().create_future()
             self._reserves.append((Reserve(ref, self.dataset, amount, self.budget_usd, self.dataset_budget_usd,
@@ -483,14 +489,23 @@ class LedgerSession:
             decision: Decision = await fut
             if decision.granted:
                 return ref
+            if self._released != released:
+                continue  # a settlement came after the decision's batch: ask again at once
             if self.in_flight == 0 and decision.others_in_flight == 0:
                 raise BudgetExhausted(decision.reason)
             # requests in flight may settle below their worst case: wait for one, then ask again
             self._freed.clear()
+            waits = [asyncio.ensure_future(self._freed.wait())]
+            if stop is not None:
+                waits.append(asyncio.ensure_future(stop.wait()))
             try:
-                await asyncio.wait_for(self._freed.wait(), 0.25 if decision.others_in_flight else None)
-            except asyncio.TimeoutError:
-                pass
+                await asyncio.wait(waits, timeout=0.25 if decision.others_in_flight else None,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
+            if stop is not None and stop.is_set():
+                return None
 
     def reserve_ahead(self, amount: float, **meta: Any) -> asyncio.Future:
         """Ask now for a reservation that will be needed soon (a worker's next request, asked while
@@ -503,6 +518,10 @@ class LedgerSession:
                                        {**self.meta, **meta}, ahead=True), fut))
         self._kick()
         return fut
+
+    def claim(self, ref: str) -> None:
+        """A :meth:`reserve_ahead` ref is now used for its request (counts as in flight)."""
+        self._unclaimed.discard(ref)
 
     def give_back(self, ahead: asyncio.Future) -> None:
         """Release a :meth:`reserve_ahead` whose request was never sent (settled at 0)."""
@@ -517,6 +536,7 @@ class LedgerSession:
 
     def settle(self, ref: str, cost: float, **fields: Any) -> None:
         self._close_ref(ref)
+        self._released += 1
         self.spent += cost
         self._updates.append(("settle", ref, {"cost": cost, **fields}))
         self._kick()
@@ -528,10 +548,13 @@ class LedgerSession:
 
     @property
     def in_flight(self) -> int:
-        return len(self._open)
+        """Granted reservations in use (a reservation asked ahead counts once claimed): the ones
+        whose settlement may still free budget for a waiting request."""
+        return len(self._open) - len(self._unclaimed)
 
     def _close_ref(self, ref: str) -> None:
         self._open.discard(ref)
+        self._unclaimed.discard(ref)
         self._freed.set()
 
     async def flush(self) -> None:
@@ -547,7 +570,11 @@ class LedgerSession:
             await asyncio.sleep(0)  # lets the done callback run
 
     async def close(self, note: str = "job ended with the request in flight") -> None:
-        """Flush; reservations still open (cancelled requests) become orphans."""
+        """Flush; reservations asked ahead and never claimed are settled at 0 (never sent); the
+        others still open (cancelled requests) become orphans."""
+        await self.flush()  # decisions still pending land first
+        for ref in list(self._unclaimed):
+            self.settle(ref, 0.0, note="not sent: job ended")
         for ref in list(self._open):
             self.orphan(ref, note=note)
         await self.flush()
@@ -613,6 +640,8 @@ class LedgerSession:
                 continue
             if granted:
                 self._open.add(r.ref)
+                if r.ahead:
+                    self._unclaimed.add(r.ref)
             if exc is not None:
                 waiter.set_exception(exc)
             elif r.ahead:

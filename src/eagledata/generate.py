@@ -385,6 +385,8 @@ class ResponseCache:
         self.index[key] = (offset, len(line))
         self._dirty = True
         if time.monotonic() - self._synced >= FSYNC_INTERVAL_S and (self._syncing is None or self._syncing.done()):
+            if self._syncing is not None:
+                self._check_sync()
             self._synced = time.monotonic()
             self._dirty = False
             if self._sync_thread is None:
@@ -394,11 +396,18 @@ class ResponseCache:
     def append(self, record: Mapping[str, Any]) -> None:
         self.append_line(record["cache_key"], (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
 
+    def _check_sync(self) -> None:
+        """Raise the error of the last background ``fsync``, if it failed."""
+        fut, self._syncing = self._syncing, None
+        if fut is not None and (exc := fut.exception()) is not None:
+            raise GenerationError(f"fsync of {self.path} failed ({type(exc).__name__}: {exc}): the responses are "
+                                  "written but may not survive a power loss; check the disk") from exc
+
     def sync(self) -> None:
         """``fsync`` now (after any background one), on the caller's thread."""
         if self._syncing is not None:
-            self._syncing.result()
-            self._syncing = None
+            self._syncing.exception()  # waits for it
+            self._check_sync()
         if self._fd is not None and self._dirty:
             os.fsync(self._fd)
             self._dirty = False
@@ -734,11 +743,16 @@ class GenerationJob:
                     self.reserve_usd[nxt.cache_key], item=nxt.id, cache_key=nxt.cache_key, attempt=1)
                 queue.append((nxt, ahead))
 
+        def drop_next() -> None:  # a retry must not wait behind this worker's own next reservation
+            if queue and queue[0][1] is not None:
+                self.ledger.give_back(queue[0][1])
+                queue[0] = (queue[0][0], None)
+
         try:
             take_next()
             while queue and not self.halted:
                 item, ahead = queue.pop()
-                await self.process(item, conn, ahead, take_next)
+                await self.process(item, conn, ahead, take_next, drop_next)
                 take_next()
         finally:
             for _, ahead in queue:
@@ -747,10 +761,11 @@ class GenerationJob:
             conn.close()
 
     async def process(self, item: WorkItem, conn: Any, ahead: asyncio.Future | None = None,
-                      on_reserved: Callable[[], None] | None = None) -> None:
+                      on_reserved: Callable[[], None] | None = None, drop_next: Callable[[], None] | None = None) -> None:
         """All attempts of one item. ``ahead``: its reservation asked for in advance (``None`` as
-        result: did not fit then, so ask and wait now); ``on_reserved`` runs once the first
-        attempt holds its reservation."""
+        result: did not fit then, so ask and wait now; given back if never used); ``on_reserved``
+        runs once the first attempt holds its reservation; ``drop_next`` gives back the worker's
+        next reservation before a retry asks for one."""
         started = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
         t0 = time.monotonic()
         problem = "not started"
@@ -769,16 +784,21 @@ class GenerationJob:
                         except asyncio.CancelledError:
                             self.ledger.give_back(fut)
                             raise
+                        if ref is not None:
+                            self.ledger.claim(ref)
+                    elif attempt > 1 and drop_next is not None:
+                        drop_next()
                     try:
                         if ref is None:
-                            ref = await self.ledger.reserve(self.reserve_usd[item.cache_key], item=item.id,
+                            ref = await self.ledger.reserve(self.reserve_usd[item.cache_key], stop=self.halt, item=item.id,
                                                             cache_key=item.cache_key, attempt=attempt)
                     except BudgetExhausted as exc:
                         self.stop(f"budget: {exc}")
                         problem = "not started: budget"
                         break
-                    if self.halted:  # stopped or interrupted while waiting for the reservation
-                        self.ledger.settle(ref, 0.0, note="not sent: job stopping")
+                    if ref is None or self.halted:  # stopped or interrupted while waiting for the reservation
+                        if ref is not None:
+                            self.ledger.settle(ref, 0.0, note="not sent: job stopping")
                         problem = f"not started: {self.stop_reason or self.interrupt}"
                         break
                 if on_reserved is not None:
@@ -820,6 +840,9 @@ class GenerationJob:
         except asyncio.CancelledError:
             self.failures[item.id] = "cancelled while in flight"
             raise
+        finally:
+            if ahead is not None:  # never awaited (e.g. cancelled while a Retry-After held the gate)
+                self.ledger.give_back(ahead)
 
     async def attempt(self, item: WorkItem, conn: Any, ref: str | None, attempt: int, started: str, t0: float) -> Outcome:
         led = self.ledger
@@ -844,8 +867,8 @@ class GenerationJob:
         try:
             try:
                 resp = await conn.request("POST", self.endpoint, self.head, item.body_json.encode("utf-8"), on_head, on_data)
-            except TransportError:
-                if conn.timed_out:  # aborted by the watchdog: this attempt's timeout
+            except TransportError as exc:
+                if conn.timed_out and exc.sent:  # aborted by the watchdog: this attempt's timeout
                     raise asyncio.TimeoutError() from None
                 raise
             finally:
@@ -861,6 +884,8 @@ class GenerationJob:
                     led.orphan(ref, generation_id=gen["id"], note=f"transport error: {exc}"[:200])
                 else:
                     led.settle(ref, 0.0, note="not sent")
+            if conn.timed_out:
+                return Outcome("retry", f"timeout after {self.cs.timeout_s:g} s (before the request was sent: {exc})")
             return Outcome("retry", f"transport error ({exc})")
         except asyncio.CancelledError:
             if ref is not None:
@@ -912,9 +937,11 @@ class GenerationJob:
             return Outcome("retry", ans.problem, retry_after=retry_after, status=status)
         if ans.cost is not None:
             settle(ans.cost, note=ans.problem[:200])
-        elif ans.streamed and gid and ans.where in ("stream", "finish") and ref is not None:
-            led.orphan(ref, generation_id=gid, note=f"mid-stream error: {ans.problem}"[:200])
-        else:
+        elif ans.where in ("stream", "finish", "malformed") and ref is not None:
+            # cut mid-stream, or a body that does not parse: the model may have generated (and the
+            # provider billed) it, so it stays held until reconciled (by generation id when known)
+            led.orphan(ref, generation_id=gid, note=f"{ans.where} failure without a cost: {ans.problem}"[:200])
+        else:  # an error object in a 200 body: not billed
             settle(0.0, note=ans.problem[:200])
         return Outcome("retry", ans.problem, status=status)
 
@@ -1094,11 +1121,13 @@ async def generate_dataset_async(config: Mapping[str, Any], dataset: str, output
             if s.backend in ("openrouter", "simulator") and ledger.orphans(dataset, with_generation_id=True):
                 reconciled["end"] = await reconcile_generations(ledger, api_base, headers, dataset, timeout=5.0)
     finally:
-        cache.close()
-        if server is not None:
-            server.stop()
-        totals = ledger.totals().get(dataset, {"spent": 0.0, "held": 0.0})
-        ledger.close()
+        try:
+            cache.close()
+        finally:
+            if server is not None:
+                server.stop()
+            totals = ledger.totals().get(dataset, {"spent": 0.0, "held": 0.0})
+            ledger.close()
 
     elapsed = time.monotonic() - t_start
     summary.update({"samples": len(items), "cached": n_cached, "requested": len(todo),

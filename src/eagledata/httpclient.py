@@ -16,6 +16,7 @@ have reached the server (``sent``).
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import ssl
 from dataclasses import dataclass
@@ -88,6 +89,8 @@ class _ProtocolError(Exception):
     """The server's bytes are not HTTP/1.1 as this client reads it."""
 
 
+_CHUNK_SIZE_LINE = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;.*)?")  # size, optional extensions
+
 # parser states
 _HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _TRAILERS, _UNTIL_CLOSE, _IDLE = range(7)
 
@@ -108,8 +111,9 @@ class _ResponseReader(asyncio.Protocol):
         self.headers: dict[str, str] = {}
         self.parts: list[bytes] = []
         self.remaining = 0
-        self.lost: BaseException | None = None
         self.closed = False
+        self.aborted = False  # dropped by this side (Connection.abort): a body cut there is not complete
+        self.http10 = False
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -123,7 +127,7 @@ class _ResponseReader(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.state == _IDLE:
-            if data.strip():
+            if data.strip():  # the connection is unusable: the next request connects anew
                 self._fail(_ProtocolError(f"unexpected bytes between responses {bytes(data[:60])!r}"))
             return
         self.buf += data
@@ -137,10 +141,12 @@ class _ResponseReader(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if self.state == _UNTIL_CLOSE:
-            self._complete(keep_alive=False)
+        if self.state == _UNTIL_CLOSE and exc is None and not self.aborted:
+            self._complete(keep_alive=False)  # the server's close ends the body
         elif self.waiter is not None and not self.waiter.done():
-            if exc is None:
+            if self.aborted:
+                exc = ConnectionError("connection aborted by the client")
+            elif exc is None:
                 started = self.state != _HEAD or self.buf
                 exc = ConnectionError("connection closed by the server" + (" mid-response" if started else ""))
             elif not isinstance(exc, OSError):
@@ -188,6 +194,8 @@ class _ResponseReader(asyncio.Protocol):
             while True:
                 state = self.state
                 if state == _HEAD:
+                    while buf[pos:pos + 2] == b"\r\n":  # empty lines before a status line are ignored
+                        pos += 2
                     end = buf.find(b"\r\n\r\n", pos)
                     if end < 0:
                         if len(buf) - pos > MAX_HEADER_BYTES:
@@ -227,16 +235,11 @@ class _ResponseReader(asyncio.Protocol):
                         if len(buf) - pos > MAX_CHUNK_LINE:
                             raise _ProtocolError("malformed chunked body (chunk size line too long)")
                         return
-                    try:
-                        size = int(buf[pos:end], 16)
-                    except ValueError:  # chunk extensions (";name=value"), or not a size at all
-                        line = bytes(buf[pos:end]).split(b";", 1)[0].strip()
-                        try:
-                            size = int(line, 16)
-                        except ValueError:
-                            raise _ProtocolError(f"malformed chunked body (chunk size {line[:40]!r})") from None
-                    if size < 0:
-                        raise _ProtocolError("malformed chunked body (negative chunk size)")
+                    line = bytes(buf[pos:end])
+                    m = _CHUNK_SIZE_LINE.fullmatch(line)
+                    if m is None:
+                        raise _ProtocolError(f"malformed chunked body (chunk size line {line[:40]!r})")
+                    size = int(m.group(1), 16)
                     pos = end + 2
                     if size and len(buf) >= pos + size + 2:  # the whole chunk is here: take it in one step
                         if buf[pos + size:pos + size + 2] != b"\r\n":
@@ -278,6 +281,7 @@ class _ResponseReader(asyncio.Protocol):
         if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
             raise _ProtocolError(f"malformed status line {lines[0][:100]!r}")
         status = int(parts[1])
+        self.http10 = parts[0] == "HTTP/1.0"
         headers: dict[str, str] = {}
         for line in lines[1:]:
             if not line:
@@ -298,12 +302,10 @@ class _ResponseReader(asyncio.Protocol):
         if "chunked" in headers.get("transfer-encoding", "").lower():
             self.state = _CHUNK_SIZE
         elif "content-length" in headers:
-            try:
-                self.remaining = int(headers["content-length"])
-            except ValueError:
-                raise _ProtocolError(f"malformed Content-Length {headers['content-length'][:40]!r}") from None
-            if self.remaining < 0:
-                raise _ProtocolError("negative Content-Length")
+            value = headers["content-length"]
+            if not (value.isascii() and value.isdigit()):
+                raise _ProtocolError(f"malformed Content-Length {value[:40]!r}")
+            self.remaining = int(value)
             if self.remaining == 0:
                 self._finish_body()
                 return False
@@ -314,8 +316,8 @@ class _ResponseReader(asyncio.Protocol):
         return True
 
     def _finish_body(self) -> None:
-        keep_alive = self.headers.get("connection", "").lower() != "close"
-        self._complete(keep_alive)
+        connection = self.headers.get("connection", "").lower()
+        self._complete("keep-alive" in connection if self.http10 else "close" not in connection)
 
 
 class Connection:
@@ -324,6 +326,7 @@ class Connection:
     def __init__(self, scheme: str, host: str, port: int, connect_timeout: float = 30.0):
         self.scheme, self.host, self.port, self.connect_timeout = scheme, host, port, connect_timeout
         self.timed_out = False  # set by whoever calls abort() for a deadline
+        self._aborted = False  # abort() was called during the current request
         self._reader: _ResponseReader | None = None
 
     @property
@@ -341,14 +344,17 @@ class Connection:
                 self.connect_timeout)
         except asyncio.TimeoutError:
             raise TransportError(f"connect to {self.host}:{self.port} timed out after {self.connect_timeout:g} s", False) from None
-        except (OSError, ssl.SSLError) as exc:
+        except (OSError, ssl.SSLError, UnicodeError) as exc:  # UnicodeError: a host name IDNA cannot encode
             raise TransportError(f"connect to {self.host}:{self.port} failed ({type(exc).__name__}: {exc})", False) from None
         self._reader = reader
         return reader
 
     def abort(self) -> None:
-        """Drop the connection now (a pending :meth:`request` fails with :class:`TransportError`)."""
+        """Drop the connection now: a pending :meth:`request` fails with :class:`TransportError`
+        (``sent=False`` if it is still connecting)."""
+        self._aborted = True
         if self._reader is not None and self._reader.transport is not None:
+            self._reader.aborted = True
             self._reader.transport.abort()
 
     def close(self) -> None:
@@ -366,17 +372,29 @@ class Connection:
         soon as they arrive, ``on_data`` every body piece (e.g. to read a stream's first event).
         ``headers``: a mapping, or a :class:`RequestHead` built once for many requests (``method``
         and ``ep`` must then be the ones it was built with). On any failure the connection is closed and :class:`TransportError` raised."""
+        self._aborted = False
         reused = self.is_open
         reader = self._reader if reused else await self._connect()
         assert reader is not None and reader.transport is not None
-        if isinstance(headers, RequestHead):
-            head = headers.data
-        else:
-            head = RequestHead(method, ep, headers).data
+        head = headers.data if isinstance(headers, RequestHead) else RequestHead(method, ep, headers).data
         waiter = asyncio.get_running_loop().create_future()
         reader.expect(waiter, method == "HEAD", on_head, on_data)
+        if self._aborted or reader.closed or reader.transport.is_closing() or waiter.done():
+            # aborted while connecting, closed by the server, or it answered before the request:
+            # nothing was written, so the request certainly was not processed
+            if not waiter.done():
+                waiter.cancel()
+            elif not waiter.cancelled():
+                waiter.exception()  # retrieved: superseded by the error raised here
+            self.close()
+            what = "aborted while connecting" if self._aborted else "connection closed by the server before the request"
+            raise TransportError(f"{what} ({'reused' if reused else 'new'} connection)", False)
         try:
             reader.transport.write(b"%sContent-Length: %d\r\n\r\n%s" % (head, len(body), body))
+        except (RuntimeError, OSError) as exc:  # uvloop raises RuntimeError on a transport closing meanwhile
+            self.close()
+            raise TransportError(f"write failed ({type(exc).__name__}: {exc})", False) from None
+        try:
             status, resp_headers, data, keep_alive = await waiter
         except _ProtocolError as exc:
             self.close()
@@ -388,6 +406,11 @@ class Connection:
         except BaseException:  # cancelled mid-request: the connection state is unknown
             self.close()
             raise
+        if keep_alive and reader.buf:
+            # bytes beyond this response's framing: a stray CRLF is tolerated, anything else means the
+            # server and this client disagree about where the response ended; never reuse that
+            keep_alive = not bytes(reader.buf).strip(b"\r\n\t ")
+            reader.buf.clear()
         if not keep_alive:
             self.close()
         return Response(status, resp_headers, data)
