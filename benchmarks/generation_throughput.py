@@ -91,7 +91,7 @@ def bare_round(args: argparse.Namespace, base: str) -> dict:
     what this stand-in, these cores and loopback allow at this moment, the ceiling for the job."""
     import asyncio
 
-    from eagledata.generate import uvloop_run
+    from eagledata.eventloop import run as run_event_loop
     from eagledata.httpclient import Connection, Endpoint, RequestHead
 
     ep = Endpoint.parse(base + "/chat/completions")
@@ -120,8 +120,7 @@ def bare_round(args: argparse.Namespace, base: str) -> dict:
         return {"steady": (hi - lo) / (done[hi] - done[lo]) / ideal, "phase": n / wall / ideal, "core": cpu / wall,
                 "us_per_request": 1e6 * cpu / n}
 
-    runner = uvloop_run(args.event_loop)
-    return runner(run()) if runner is not None else asyncio.run(run())
+    return run_event_loop(run(), args.event_loop)
 
 
 def main() -> int:

@@ -22,6 +22,17 @@ def reserve(ledger: BudgetLedger, ref: str, amount: float, dataset: str = "a", c
     return ledger.apply([Reserve(ref, dataset, amount, cap, ds_cap)], [])[0]
 
 
+def hold_write_lock(path, seconds: float) -> subprocess.Popen:
+    """Another process that holds the ledger's write lock for ``seconds`` (returns once it holds it)."""
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sqlite3, time\n"
+        f"db = sqlite3.connect({str(path)!r}, isolation_level=None)\n"
+        f"db.execute('BEGIN IMMEDIATE'); print('locked', flush=True); time.sleep({seconds}); db.execute('COMMIT')\n")],
+        stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    return holder
+
+
 def test_reserve_settle_and_caps(tmp_path):
     led = BudgetLedger(tmp_path / "b.sqlite")
     assert reserve(led, "r1", 0.6).granted
@@ -230,13 +241,8 @@ def test_session_uses_the_background_thread_while_another_process_holds_the_lock
     process holds it, on the session's thread, and the loop keeps running meanwhile."""
     path = tmp_path / "b.sqlite"
     led = BudgetLedger(path)
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import sqlite3, sys, time\n"
-        f"db = sqlite3.connect({str(path)!r}, isolation_level=None)\n"
-        "db.execute('BEGIN IMMEDIATE'); print('locked', flush=True); time.sleep(0.6); db.execute('COMMIT')\n")],
-        stdout=subprocess.PIPE, text=True)
+    holder = hold_write_lock(path, 0.6)
     try:
-        assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(LedgerBusy, match="locked"):  # the no-wait path gives up at once ...
             led.apply([Reserve("x", "a", 0.1, 1.0, None)], [], wait=False)
         assert led.db.execute("SELECT COUNT(*) FROM reservations").fetchone()[0] == 0  # ... changing nothing
@@ -282,14 +288,8 @@ def test_close_settles_a_reservation_asked_ahead_that_is_granted_during_close(tm
     still undecided: close() waits for it, and settles it at 0 (nobody claimed it: never sent)."""
     path = tmp_path / "b.sqlite"
     led = BudgetLedger(path)
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import sqlite3, time\n"
-        f"db = sqlite3.connect({str(path)!r}, isolation_level=None)\n"
-        "db.execute('BEGIN IMMEDIATE'); print('locked', flush=True); time.sleep(0.5); db.execute('COMMIT')\n")],
-        stdout=subprocess.PIPE, text=True)
+    holder = hold_write_lock(path, 0.5)
     try:
-        assert holder.stdout.readline().strip() == "locked"
-
         async def run() -> None:
             s = LedgerSession(led, "d", 10.0, None)
             s.reserve_ahead(1.0)

@@ -338,17 +338,14 @@ class BudgetLedger:
         s_all = sum(t[0] for t in totals.values())
         h_all = sum(t[1] for t in totals.values())
         s_ds, h_ds = totals.get(r.dataset, (0.0, 0.0))
-        if r.ahead:  # asked ahead of need: only while each cap stays at most AHEAD_MAX_FILL used
-            if ((r.budget_usd is not None and s_all + h_all + r.amount > AHEAD_MAX_FILL * r.budget_usd + EPS)
-                    or (r.dataset_budget_usd is not None
-                        and s_ds + h_ds + r.amount > AHEAD_MAX_FILL * r.dataset_budget_usd + EPS)):
-                return Decision(False, "asked ahead near the cap")
-        if r.budget_usd is not None and s_all + h_all + r.amount > r.budget_usd + EPS:
+        fill = AHEAD_MAX_FILL if r.ahead else 1.0  # asked ahead of need: only while each cap stays that far from full
+        limit = "it" if fill == 1.0 else f"{fill:g} of it"
+        if r.budget_usd is not None and s_all + h_all + r.amount > fill * r.budget_usd + EPS:
             return Decision(False, f"budget_usd {r.budget_usd:g}: spent ${s_all:.4f} + held ${h_all:.4f} "
-                                   f"+ this request's worst case ${r.amount:.4f} would pass it")
-        if r.dataset_budget_usd is not None and s_ds + h_ds + r.amount > r.dataset_budget_usd + EPS:
+                                   f"+ this request's worst case ${r.amount:.4f} would pass {limit}")
+        if r.dataset_budget_usd is not None and s_ds + h_ds + r.amount > fill * r.dataset_budget_usd + EPS:
             return Decision(False, f"datasets.{r.dataset}.budget_usd {r.dataset_budget_usd:g}: spent ${s_ds:.4f} + "
-                                   f"held ${h_ds:.4f} + this request's worst case ${r.amount:.4f} would pass it")
+                                   f"held ${h_ds:.4f} + this request's worst case ${r.amount:.4f} would pass {limit}")
         return Decision(True)
 
     # -- recovery and reconciliation ------------------------------------------------------------
@@ -600,20 +597,19 @@ class LedgerSession:
             reserves, self._reserves = self._reserves, []
             updates, self._updates = self._updates, []
             batch = [r for r, _ in reserves]
-            checkpoint = time.monotonic() - self._checkpointed >= CHECKPOINT_INTERVAL_S
-            try:
-                if checkpoint:
-                    raise LedgerBusy("checkpoint due: on the background thread")
-                decisions = self.ledger.apply(batch, updates, wait=False)
-            except LedgerBusy:
-                pass
-            except Exception as exc:  # noqa: BLE001 - reported to every waiter and at close()
-                self._finish(None, exc, reserves)
-                return
+            checkpoint = time.monotonic() - self._checkpointed >= CHECKPOINT_INTERVAL_S  # due: the thread does it
+            if not checkpoint:
+                try:
+                    decisions = self.ledger.apply(batch, updates, wait=False)
+                except LedgerBusy:
+                    pass
+                except Exception as exc:  # noqa: BLE001 - reported to every waiter and at close()
+                    self._finish(None, exc, reserves)
+                    return
+                else:
+                    self._finish(decisions, None, reserves)
+                    return
             else:
-                self._finish(decisions, None, reserves)
-                return
-            if checkpoint:
                 self._checkpointed = time.monotonic()
             fut = asyncio.get_running_loop().run_in_executor(self._executor, self._apply_in_thread, batch, updates, checkpoint)
             self._flushing = fut

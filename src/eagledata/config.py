@@ -97,13 +97,19 @@ class DatasetSettings:
         return self.responses is not None
 
 
+def dataset_generation(config: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """A dataset's ``generation`` settings: the global ones, overridden by its own."""
+    ds = (config.get("datasets") or {}).get(name) or {}
+    return {**(config.get("generation") or {}), **(ds.get("generation") or {})}
+
+
 def dataset_settings(config: Mapping[str, Any], name: str) -> DatasetSettings:
     try:
         ds = config["datasets"][name]
     except KeyError:
         raise ConfigError(f"unknown dataset {name!r}; defined: {sorted(config['datasets'])}") from None
     model = config["models"][ds["model"]]
-    generation = {**config.get("generation", {}), **(ds.get("generation") or {})}
+    generation = dataset_generation(config, name)
     return DatasetSettings(
         name=name,
         model_name=ds["model"],

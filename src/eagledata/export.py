@@ -41,7 +41,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 from .extract import ExtractionError, _atomic_write_text, publish_dir, read_index
 
@@ -168,6 +168,15 @@ def _common_meta(manifest: dict[str, Any], hidden_dir: Path, trainer: str, sampl
     }
 
 
+def _require_final_norm(manifest: Mapping[str, Any], hidden_dir: Path, want: str, target: str, why: str,
+                        key: str) -> None:
+    if manifest["final_norm"] != want:
+        raise ExtractionError(
+            f"{target} export needs the final hidden state {want.upper()} the final norm ({why}), but {hidden_dir} "
+            f"was extracted with final_norm={manifest['final_norm']!r}; set extraction.final_norm: {want} "
+            f"(or disable export.{key})")
+
+
 def export_specforge(hidden_dir: str | Path, out_dir: str | Path, *, group_size: int = SPECFORGE_GROUP_SIZE,
                      work_dir: str | Path | None = None) -> dict[str, Any]:
     """Write SpecForge's offline layout (module docstring). Returns the export metadata."""
@@ -175,11 +184,7 @@ def export_specforge(hidden_dir: str | Path, out_dir: str | Path, *, group_size:
 
     hidden_dir, out_dir = Path(hidden_dir), Path(out_dir)
     manifest = read_hidden_manifest(hidden_dir)
-    if manifest["final_norm"] != "after":
-        raise ExtractionError(
-            f"SpecForge export needs the final hidden state AFTER the final norm (its trainer applies only "
-            f"lm_head), but {hidden_dir} was extracted with final_norm={manifest['final_norm']!r}; "
-            "set extraction.final_norm: after (or disable export.specforge)")
+    _require_final_norm(manifest, hidden_dir, "after", "SpecForge", "its trainer applies only lm_head", "specforge")
     if group_size < 1:
         raise ExtractionError(f"export.specforge_group_size must be >= 1, got {group_size}")
     target = _prepare_target(out_dir, Path(work_dir) if work_dir else None,
@@ -226,11 +231,8 @@ def export_speculators(hidden_dir: str | Path, out_dir: str | Path, *, work_dir:
 
     hidden_dir, out_dir = Path(hidden_dir), Path(out_dir)
     manifest = read_hidden_manifest(hidden_dir)
-    if manifest["final_norm"] != "before":
-        raise ExtractionError(
-            f"speculators export needs the final hidden state BEFORE the final norm (vLLM captures it as aux id "
-            f"L = the last layer's output), but {hidden_dir} was extracted with final_norm="
-            f"{manifest['final_norm']!r}; set extraction.final_norm: before (or disable export.speculators)")
+    _require_final_norm(manifest, hidden_dir, "before", "speculators",
+                        "vLLM captures it as aux id L = the last layer's output", "speculators")
     target = _prepare_target(out_dir, Path(work_dir) if work_dir else None, _source_key(hidden_dir, "speculators", {}))
     rows: dict[str, list] = {"sample": [], "id": [], "file": [], "tokens": [], "shard": [],
                              "seq_len": [], "input_ids": [], "loss_mask": []}

@@ -59,7 +59,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from .budget import BudgetExhausted, BudgetLedger, LedgerSession, ledger_path
-from .config import DatasetSettings, dataset_settings, load_model_tokenizer, validate_config
+from .config import DatasetSettings, dataset_generation, dataset_settings, load_model_tokenizer, validate_config
+from .eventloop import run as run_event_loop
+from .eventloop import uvloop_module
 from .httpclient import Connection, Endpoint, RequestHead, TransportError
 from .jsonl import ResponsesFileError, iter_json_lines, normalize_response_line
 from .prompts import Prompt, canonical_json, read_prompts, sha256_hex
@@ -1205,26 +1207,12 @@ def generate_dataset(config: Mapping[str, Any], dataset: str, output_path: str |
     is written, so a rerun retries only those), :class:`JobStopped` on 401/402/budget and
     :class:`Interrupted` on SIGINT/SIGTERM/job timeout.
     """
-    kind = {**(config.get("generation") or {}),
-            **((((config.get("datasets") or {}).get(dataset)) or {}).get("generation") or {})}.get("event_loop", "auto")
-    coro = generate_dataset_async(config, dataset, output_path, log, summary_path, progress_stream)
-    run = uvloop_run(kind)
-    return run(coro) if run is not None else asyncio.run(coro)
-
-
-def uvloop_run(kind: str = "auto") -> Callable[[Any], Any] | None:
-    """``uvloop.run`` for ``kind`` ``uvloop`` or ``auto`` (when installed), else ``None`` (asyncio's
-    own loop). uvloop cuts the client's CPU per request by about a sixth
-    (benchmarks/generation_throughput.py)."""
-    if kind == "asyncio":
-        return None
+    kind = dataset_generation(config, dataset).get("event_loop", "auto")
     try:
-        import uvloop
-    except ImportError:
-        if kind == "uvloop":
-            raise GenerationError("generation.event_loop is uvloop, but uvloop is not installed (pip install uvloop)") from None
-        return None
-    return uvloop.run
+        uvloop_module(kind)
+    except ImportError as exc:
+        raise GenerationError(str(exc)) from None
+    return run_event_loop(generate_dataset_async(config, dataset, output_path, log, summary_path, progress_stream), kind)
 
 
 def main(argv: list[str] | None = None) -> int:

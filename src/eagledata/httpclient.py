@@ -91,6 +91,15 @@ class _ProtocolError(Exception):
 
 _CHUNK_SIZE_LINE = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;.*)?")  # size, optional extensions
 
+def _line_end(buf: bytearray, pos: int, sep: bytes, limit: int, too_long: str) -> int:
+    """Where ``sep`` starts in ``buf`` from ``pos``; -1 while it has not arrived yet, as long as
+    the bytes waiting for it stay within ``limit`` (else a protocol error, ``too_long``)."""
+    end = buf.find(sep, pos)
+    if end < 0 and len(buf) - pos > limit:
+        raise _ProtocolError(too_long)
+    return end
+
+
 # parser states
 _HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _TRAILERS, _UNTIL_CLOSE, _IDLE = range(7)
 
@@ -196,10 +205,8 @@ class _ResponseReader(asyncio.Protocol):
                 if state == _HEAD:
                     while buf[pos:pos + 2] == b"\r\n":  # empty lines before a status line are ignored
                         pos += 2
-                    end = buf.find(b"\r\n\r\n", pos)
+                    end = _line_end(buf, pos, b"\r\n\r\n", MAX_HEADER_BYTES, "response header too large")
                     if end < 0:
-                        if len(buf) - pos > MAX_HEADER_BYTES:
-                            raise _ProtocolError("response header too large")
                         return
                     raw = bytes(buf[pos:end])
                     pos = end + 4
@@ -230,10 +237,8 @@ class _ResponseReader(asyncio.Protocol):
                     self.state = _CHUNK_SIZE
                     continue
                 if state == _CHUNK_SIZE:
-                    end = buf.find(b"\r\n", pos)
+                    end = _line_end(buf, pos, b"\r\n", MAX_CHUNK_LINE, "malformed chunked body (chunk size line too long)")
                     if end < 0:
-                        if len(buf) - pos > MAX_CHUNK_LINE:
-                            raise _ProtocolError("malformed chunked body (chunk size line too long)")
                         return
                     line = bytes(buf[pos:end])
                     m = _CHUNK_SIZE_LINE.fullmatch(line)
@@ -252,10 +257,8 @@ class _ResponseReader(asyncio.Protocol):
                     self.state = _TRAILERS if size == 0 else _CHUNK_DATA
                     continue
                 if state == _TRAILERS:
-                    end = buf.find(b"\r\n", pos)
+                    end = _line_end(buf, pos, b"\r\n", MAX_HEADER_BYTES, "chunked trailers too large")
                     if end < 0:
-                        if len(buf) - pos > MAX_HEADER_BYTES:
-                            raise _ProtocolError("chunked trailers too large")
                         return
                     blank = end == pos
                     pos = end + 2

@@ -52,6 +52,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from urllib.parse import parse_qs, urlparse
 
 from .chat import ChatTemplateError, prompt_ids, request_thinking
+from .eventloop import new_event_loop
 from .families import ModelFamily
 from .prompts import canonical_json, sha256_hex
 from .reconstruct import Segment, count_tool_calls
@@ -752,7 +753,7 @@ class SimulatorServer:
         errors: list[BaseException] = []
 
         def run() -> None:
-            loop = _new_event_loop()
+            loop = new_event_loop()  # uvloop when installed: less CPU, latency closer to the configured one
             self._loop = loop
             try:
                 self._server = loop.run_until_complete(
@@ -1147,16 +1148,6 @@ class SimulatorServer:
     def _chunk(text: str) -> bytes:
         data = text.encode("utf-8")
         return b"%x\r\n%s\r\n" % (len(data), data)
-
-
-def _new_event_loop() -> asyncio.AbstractEventLoop:
-    """uvloop's loop when installed (less CPU per request, so the latency a client sees is the
-    configured one, not the stand-in's own processing), else asyncio's."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
 
 
 class _Connection(asyncio.Protocol):
