@@ -8,6 +8,10 @@
 * ``GET /api/v1/generation?id=``: OpenRouter's generation stats (native token counts, cost);
 * ``GET /api/v1/key``: the key's usage (everything the stand-in billed);
 * ``GET /_sim/truth?id=``: the ground truth, i.e. the exact completion token ids and their segments;
+* ``GET /_sim/counters``: what the stand-in was asked and billed (``requests_total``,
+  ``requests_per_prompt`` keyed by :func:`prompt_hash`, ``billed_usd``, ...; see
+  :meth:`SimulatorServer.counters`), so a test or a user outside its process can prove "each prompt
+  paid once";
 * with ``api="sglang"``: SGLang's ``POST /v1/chat/completions`` (``return_token_ids``) and native
   ``POST /generate`` (``input_ids`` -> ``output_ids``, ``meta_info``) instead of the OpenRouter routes.
 
@@ -831,6 +835,17 @@ class SimulatorServer:
             "latency": int(g.latency_ms), "generation_time": int(g.latency_ms),
         }}
 
+    def counters(self) -> dict[str, Any]:
+        """One consistent snapshot of the counters (``GET /_sim/counters``): ``requests_total``
+        (completion requests received, faults included), ``requests_per_prompt`` (:func:`prompt_hash`
+        -> requests), ``billed_usd`` (total charged, = the key's usage), ``generations`` (answers
+        made), ``in_flight``/``max_in_flight``, ``keys`` (distinct Authorization headers; the keys
+        themselves are never shown)."""
+        with self._lock:
+            return {"requests_total": self.requests_total, "requests_per_prompt": dict(self.request_counts),
+                    "billed_usd": round(self.billed_usd, 12), "generations": len(self.generations),
+                    "in_flight": self.in_flight, "max_in_flight": self.max_in_flight, "keys": len(self.authorizations)}
+
     def key_info(self) -> dict[str, Any]:
         return {"data": {"label": "sk-or-v1-sim...", "usage": round(self.billed_usd, 12), "limit": None,
                          "limit_remaining": None, "is_free_tier": False, "is_provisioning_key": False}}
@@ -1065,6 +1080,8 @@ class SimulatorServer:
                 return self._send(200, _dumps(stats)) if stats else self._error(404, f"Generation {gid} not found")
             if url.path == f"{API_PREFIX}/key":
                 return self._send(200, _dumps(self.key_info()))
+            if url.path == "/_sim/counters":
+                return self._send(200, _dumps(self.counters()))
             if url.path == "/_sim/truth":
                 truth = self.truth(gid) or self.truth(f"gen-{gid}")
                 return self._send(200, _dumps(truth)) if truth else self._error(404, f"Generation {gid} not found")
@@ -1286,7 +1303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                              host=args.host, port=args.port, api=args.api, **options).start()
     if args.port_file:
         Path(args.port_file).write_text(str(server.port))
-    print(f"simulator ({args.api}, {args.profile}, {family.name}) listening: {server.base_url}", flush=True)
+    print(f"simulator ({args.api}, {args.profile}, {family.name}) listening: {server.base_url} "
+          f"(counters: {server.root_url}/_sim/counters)", flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
