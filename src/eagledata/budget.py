@@ -35,7 +35,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 EPS = 1e-12
 HOST = socket.gethostname()
@@ -460,7 +460,8 @@ class LedgerSession:
         self._flushing: asyncio.Future | None = None
         self._freed = asyncio.Event()
         self.spent = 0.0  # settled by this session
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # the first failed ledger write (raised again by close())
+        self.on_error: Callable[[BaseException], None] | None = None  # told of that failure at once
         self._open: set[str] = set()  # granted, neither settled nor orphaned yet
         self._unclaimed: set[str] = set()  # of those, asked ahead and not yet claimed for a request
         self._released = 0  # settlements so far (a refused reservation asks again if one came since)
@@ -575,7 +576,10 @@ class LedgerSession:
         for ref in list(self._open):
             self.orphan(ref, note=note)
         await self.flush()
-        await asyncio.get_running_loop().run_in_executor(self._executor, self.ledger.checkpoint)
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._executor, self.ledger.checkpoint)
+        except (sqlite3.Error, OSError) as exc:  # a full disk: the committed transactions stay in the WAL
+            self.error = self.error or exc
         self._executor.shutdown(wait=True)
         self.ledger.db.execute(f"PRAGMA wal_autocheckpoint={DEFAULT_WAL_AUTOCHECKPOINT}")
         if self.error is not None:
@@ -627,6 +631,8 @@ class LedgerSession:
         self._flushing = None
         if exc is not None and self.error is None:
             self.error = exc
+            if self.on_error is not None:
+                self.on_error(exc)
         for i, (r, waiter) in enumerate(reserves):
             decision = None if decisions is None else decisions[i]
             granted = decision is not None and decision.granted

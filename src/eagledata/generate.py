@@ -29,7 +29,10 @@ exact request body (plus the sample number for samples after the first, and a sa
 endpoint when it is not OpenRouter's, and the stand-in's identity for the simulator backend), so a
 rerun requests only what is missing and any change of an output-shaping setting requests anew. A
 torn last line is ignored and cut off. The rule output is written atomically, in prompt-file order,
-with a summary (``generation_summary.json``) beside it.
+with a summary (``generation_summary.json``) beside it. One job at a time writes a dataset's cache
+(an ``flock``, :mod:`eagledata.cachelock`); a second one waits, then requests only what is missing.
+A failed cache or ledger write (a full disk) stops new requests and loses no answer received: see
+:class:`ResponseCache`, :func:`keep_paid_answers` and :mod:`eagledata.rescue`.
 
 SGLang (``backend: sglang``, ``generation.api_base`` = the server root). ``sglang_endpoint: chat``
 (default) sends SGLang's OpenAI-compatible ``/v1/chat/completions`` with ``return_token_ids`` (never
@@ -48,6 +51,7 @@ import os
 import random
 import re
 import signal
+import sqlite3
 import sys
 import threading
 import time
@@ -59,12 +63,14 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from .budget import BudgetExhausted, BudgetLedger, LedgerSession, ledger_path
+from .cachelock import CacheLockTimeout, acquire_writer_lock, lock_wait_s
 from .config import DatasetSettings, dataset_generation, dataset_settings, load_model_tokenizer, validate_config
 from .eventloop import run as run_event_loop
 from .eventloop import uvloop_module
 from .httpclient import Connection, Endpoint, RequestHead, TransportError
 from .jsonl import ResponsesFileError, iter_json_lines, normalize_response_line
 from .prompts import Prompt, canonical_json, read_prompts, sha256_hex
+from .rescue import RESCUE_ENV, RescueFile, find_rescue_files, free_space, read_rescue_lines
 from .responses import parse_response
 
 Log = Callable[[str], None]
@@ -313,19 +319,39 @@ def dataset_work(config: Mapping[str, Any], dataset: str, tokenizer: Any = None)
 # Cache
 
 
+class FsyncFailed(OSError):
+    """An ``fsync`` of the cache failed: the records since the last successful one may be lost."""
+
+
 class ResponseCache:
     """Append-only JSONL of finished requests, indexed by ``cache_key`` (byte offsets, so records
     are read back only when the output is written). ``refs``: the budget reservation behind each
-    record (``ledger_ref`` -> cost, provider, generation id), for the ledger's crash recovery."""
+    record (``ledger_ref`` -> cost, provider, generation id), for the ledger's crash recovery.
 
-    def __init__(self, path: str | Path):
+    One writer at a time (the generate job holding :mod:`eagledata.cachelock`'s lock); any number
+    of readers (:meth:`load` ignores a torn last line). A failed write or ``fsync`` (``OSError``,
+    e.g. ENOSPC) never loses a line: the file is cut back to its last record known to be on disk,
+    every line not known to be there is kept in :attr:`pending` (and appended to a
+    :class:`~eagledata.rescue.RescueFile` when ``dataset`` is given), :attr:`write_error` names the
+    path, the error and the free space, ``on_write_error`` hears of it once (the job stops), and
+    every later line goes to :attr:`pending` too; :meth:`write_pending` writes them once the disk
+    takes them again."""
+
+    def __init__(self, path: str | Path, dataset: str | None = None):
         self.path = Path(path)
         self.index: dict[str, tuple[int, int]] = {}
         self.refs: dict[str, dict[str, Any]] = {}
         self.skipped_lines = 0
+        self.pending: list[tuple[str, bytes]] = []  # received, not (known to be) in the file
+        self.write_error: str | None = None
+        self.on_write_error: Callable[[str], None] | None = None
+        self.rescue = RescueFile(self.path, dataset) if dataset else None
+        self._rescued = 0  # pending lines already in the rescue file
         self._fd: int | None = None
-        self._size = 0
-        self._dirty = False
+        self._size = 0  # end of the last record written
+        self._durable = 0  # end of the last record covered by a successful fsync
+        self._unsynced: list[tuple[str, bytes]] = []  # the records between the two
+        self._sync_mark = (0, 0)  # (size, unsynced count) that the background fsync in progress covers
         self._synced = 0.0
         self._syncing: Future | None = None  # the background fsync in progress
         self._sync_thread: ThreadPoolExecutor | None = None
@@ -340,19 +366,23 @@ class ResponseCache:
             for line in fh:
                 if line.endswith(b"\n"):
                     try:
-                        rec = json.loads(line)
-                        self.index[rec["cache_key"]] = (offset, len(line))
-                        if rec.get("ledger_ref"):
-                            self.refs[rec["ledger_ref"]] = {"cost": rec.get("cost"), "provider": rec.get("provider"),
-                                                            "generation_id": rec.get("generation_id")}
+                        self._index_line(json.loads(line), offset, len(line))
                     except (ValueError, KeyError, TypeError):
                         self.skipped_lines += 1
                 offset += len(line)  # a last line without newline is a torn write: ignored
         return self.index
 
+    def _index_line(self, rec: Mapping[str, Any], offset: int, length: int) -> None:
+        self.index[rec["cache_key"]] = (offset, length)
+        if rec.get("ledger_ref"):
+            self.refs[rec["ledger_ref"]] = {"cost": rec.get("cost"), "provider": rec.get("provider"),
+                                            "generation_id": rec.get("generation_id")}
+
     def open(self) -> None:
-        """Open for appending, first cutting off a torn last line (so the next record starts on a
-        line of its own)."""
+        """Open for appending (once), first cutting off a torn last line (so the next record
+        starts on a line of its own)."""
+        if self._fd is not None:
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
         size = os.lseek(fd, 0, os.SEEK_END)
@@ -368,53 +398,198 @@ class ResponseCache:
         if keep != size:
             os.ftruncate(fd, keep)
             os.fsync(fd)
-        self._fd, self._size = fd, keep
+        self._fd, self._size, self._durable = fd, keep, keep
+
+    # -- writing --------------------------------------------------------------------------------
+    def _write_some(self, fd: int, data: memoryview) -> int:
+        """One ``os.write`` (the seam where tests inject a full disk)."""
+        return os.write(fd, data)
+
+    def _fsync(self, fd: int) -> None:
+        """``os.fsync`` (a seam for tests too)."""
+        os.fsync(fd)
+
+    def _write_all(self, data: bytes) -> None:
+        """Write ``data`` at the end; on failure cut the file back to the last record and re-raise."""
+        assert self._fd is not None
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[self._write_some(self._fd, view):]
+        except OSError:
+            self._cut_back()
+            raise
+
+    def _cut_back(self) -> None:
+        """Drop any bytes after the last record (a partly written line); best effort."""
+        try:
+            if self._fd is not None and os.lseek(self._fd, 0, os.SEEK_END) != self._size:
+                os.ftruncate(self._fd, self._size)
+        except OSError:
+            pass
 
     def append_line(self, key: str, line: bytes) -> None:
         """Append one complete record line with a single ``write`` (crash-safe against a killed
         process: the kernel has the bytes once ``write`` returns); ``fsync`` (against power loss)
         at most every :data:`FSYNC_INTERVAL_S`, on a background thread so that a slow disk never
-        stalls the requests in flight."""
+        stalls the requests in flight. Never raises ``OSError``: after a failed write or fsync the
+        line is kept (see the class docstring)."""
+        if self.write_error is None:
+            try:
+                self._append(key, line)
+                return
+            except OSError as exc:
+                self._write_failed(exc, isinstance(exc, FsyncFailed))
+        self._keep([(key, line)])
+
+    def _append(self, key: str, line: bytes) -> None:
         if self._fd is None:
             self.open()
-        assert self._fd is not None
-        offset = self._size
-        view = memoryview(line)
-        while view:
-            n = os.write(self._fd, view)
-            view = view[n:]
+        if self._syncing is not None and self._syncing.done():
+            self._check_sync()
+        self._write_all(line)
+        self.index[key] = (self._size, len(line))
         self._size += len(line)
-        self.index[key] = (offset, len(line))
-        self._dirty = True
-        if time.monotonic() - self._synced >= FSYNC_INTERVAL_S and (self._syncing is None or self._syncing.done()):
-            if self._syncing is not None:
-                self._check_sync()
+        self._unsynced.append((key, line))
+        if time.monotonic() - self._synced >= FSYNC_INTERVAL_S and self._syncing is None:
             self._synced = time.monotonic()
-            self._dirty = False
             if self._sync_thread is None:
                 self._sync_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cache-fsync")
-            self._syncing = self._sync_thread.submit(os.fsync, self._fd)
+            self._sync_mark = (self._size, len(self._unsynced))
+            self._syncing = self._sync_thread.submit(self._fsync, self._fd)
 
     def append(self, record: Mapping[str, Any]) -> None:
         self.append_line(record["cache_key"], (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
 
     def _check_sync(self) -> None:
-        """Raise the error of the last background ``fsync``, if it failed."""
+        """Account for the finished (else: wait for the) background ``fsync``: the records it
+        covered are durable; raises :class:`FsyncFailed` if it failed."""
         fut, self._syncing = self._syncing, None
-        if fut is not None and (exc := fut.exception()) is not None:
-            raise GenerationError(f"fsync of {self.path} failed ({type(exc).__name__}: {exc}): the responses are "
-                                  "written but may not survive a power loss; check the disk") from exc
+        if fut is None:
+            return
+        exc = fut.exception()
+        if exc is not None:
+            raise FsyncFailed(getattr(exc, "errno", None), getattr(exc, "strerror", None) or str(exc))
+        size, n = self._sync_mark
+        self._durable = max(self._durable, size)
+        del self._unsynced[:n]
+
+    def _sync_now(self) -> OSError | None:
+        """``fsync`` now, after any background one; the error when the records are not all durable."""
+        try:
+            self._check_sync()
+            if self._fd is not None and self._unsynced:
+                try:
+                    self._fsync(self._fd)
+                except OSError as exc:
+                    raise FsyncFailed(exc.errno, exc.strerror or str(exc)) from exc
+                self._durable, self._unsynced = self._size, []
+        except OSError as exc:
+            return exc
+        self._synced = time.monotonic()
+        return None
 
     def sync(self) -> None:
-        """``fsync`` now (after any background one), on the caller's thread."""
-        if self._syncing is not None:
-            self._syncing.exception()  # waits for it
-            self._check_sync()
-        if self._fd is not None and self._dirty:
-            os.fsync(self._fd)
-            self._dirty = False
-        self._synced = time.monotonic()
+        """``fsync`` now, on the caller's thread. Never raises ``OSError``: records a failed fsync
+        cannot vouch for are kept as after a failed write."""
+        exc = self._sync_now()
+        if exc is not None:
+            self._write_failed(exc, True)
 
+    def _write_failed(self, exc: OSError, fsync_failed: bool) -> None:
+        """A failed write or fsync. The records written since the last successful fsync are
+        durable only if an fsync succeeds now, never after a failed one (the kernel may have
+        dropped their pages and reports that once): then they are kept and cut off the file."""
+        first = self.write_error is None
+        if first:
+            self.write_error = (f"{self.path}: {'fsync' if fsync_failed else 'write'} failed: "
+                                f"{exc.strerror or exc} ({free_space(self.path)})")
+        if not fsync_failed and self._sync_now() is not None:
+            fsync_failed = True
+        if fsync_failed and self._unsynced:
+            lost, self._unsynced = self._unsynced, []
+            for key, _ in lost:
+                self.index.pop(key, None)
+            self._size = self._durable
+            self._cut_back()
+            self._keep(lost)
+        if first and self.on_write_error is not None:
+            self.on_write_error(self.write_error)
+
+    def _keep(self, lines: list[tuple[str, bytes]]) -> None:
+        """Hold lines the file did not take, and append them to the rescue file (best effort now;
+        :meth:`rescue_all` tries again)."""
+        self.pending.extend(lines)
+        if self.rescue is not None:
+            try:
+                self.rescue.append(line for _, line in self.pending[self._rescued:])
+                self._rescued = len(self.pending)
+            except OSError:
+                pass
+
+    def write_pending(self) -> int:
+        """Write the kept lines at the end of the cache and ``fsync``; returns how many. Raises
+        ``OSError`` while the disk still refuses them (the file cut back, nothing lost). Then the
+        rescue file, no longer needed, is deleted."""
+        if not self.pending:
+            return 0
+        self.open()
+        self._cut_back()
+        self._write_all(b"".join(line for _, line in self.pending))
+        try:
+            self._fsync(self._fd)
+        except OSError:
+            self._cut_back()
+            raise
+        offset = self._size
+        for key, line in self.pending:
+            self.index[key] = (offset, len(line))
+            offset += len(line)
+        self._size = self._durable = offset
+        n, self.pending, self._rescued = len(self.pending), [], 0
+        if self.rescue is not None:
+            self.rescue.discard()
+        return n
+
+    def rescue_all(self) -> Path:
+        """Make sure every kept line is in the rescue file; returns its path. Raises
+        :class:`GenerationError` naming every place tried (and its free space) when none takes them."""
+        if self.rescue is None:
+            self.rescue = RescueFile(self.path, self.path.parent.name)
+        try:
+            self.rescue.append(line for _, line in self.pending[self._rescued:])
+        except OSError:
+            raise GenerationError(
+                f"{len(self.pending)} paid answer(s) could be written neither to the cache ({self.write_error}) nor "
+                f"to a rescue file ({'; '.join(self.rescue.errors)}); they are lost when this process ends. Free space, "
+                f"or point ${RESCUE_ENV} at a disk with room, before the next run") from None
+        self._rescued = len(self.pending)
+        assert self.rescue.path is not None
+        return self.rescue.path
+
+    def import_rescued(self, files: Iterable[Path]) -> int:
+        """Before anything is sent: the records of rescue files (:mod:`eagledata.rescue`) that are
+        not cached yet are written to the cache and fsync'ed, then the files are deleted. Returns
+        how many were imported. Raises ``OSError`` while the cache refuses them (files kept)."""
+        files = list(files)
+        found: dict[str, tuple[dict[str, Any], bytes]] = {}
+        for f in files:
+            for line in read_rescue_lines(f):
+                try:
+                    rec = json.loads(line)
+                    if rec["cache_key"] not in self.index:
+                        found[rec["cache_key"]] = (rec, line)
+                except (ValueError, KeyError, TypeError):
+                    continue
+        self.pending = [(key, line) for key, (_, line) in found.items()]
+        n = self.write_pending()
+        for key, (rec, _) in found.items():
+            self._index_line(rec, *self.index[key])
+        for f in files:
+            f.unlink(missing_ok=True)
+        return n
+
+    # -- reading --------------------------------------------------------------------------------
     def get(self, key: str, fh: Any = None) -> dict[str, Any]:
         """The record of ``key``; pass an open binary ``fh`` of the cache to read many."""
         offset, length = self.index[key]
@@ -425,6 +600,8 @@ class ResponseCache:
         return json.loads(fh.read(length))
 
     def close(self) -> None:
+        """``fsync`` and close; a failed fsync keeps its records in :attr:`pending` (and the
+        rescue file) as after a failed write."""
         if self._fd is not None:
             self.sync()
             os.close(self._fd)
@@ -432,6 +609,8 @@ class ResponseCache:
         if self._sync_thread is not None:
             self._sync_thread.shutdown(wait=True)
             self._sync_thread = None
+        if self.rescue is not None:
+            self.rescue.close()
 
 
 def write_jsonl_atomic(path: str | Path, records: Iterable[Mapping[str, Any]]) -> int:
@@ -458,8 +637,12 @@ def write_json_atomic(path: str | Path, obj: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(obj, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 # ----------------------------------------------------------------------------------------------
@@ -628,6 +811,14 @@ class Outcome:
     status: int = 0
 
 
+#: What a failed budget-ledger write raises (SQLite's "database or disk is full" is an sqlite3.Error).
+LEDGER_WRITE_ERRORS = (sqlite3.Error, OSError)
+
+
+def ledger_write_error(path: Path, exc: BaseException) -> str:
+    return f"budget ledger write failed: {path}: {exc} ({free_space(path)})"
+
+
 class GenerationJob:
     """One dataset's requests: workers, retries, ledger, cache, progress, signals."""
 
@@ -779,29 +970,10 @@ class GenerationJob:
                 await self.gate.wait()
                 ref = None
                 if self.ledger is not None:
-                    if ahead is not None:
-                        fut, ahead = ahead, None
-                        try:
-                            ref = await fut
-                        except asyncio.CancelledError:
-                            self.ledger.give_back(fut)
-                            raise
-                        if ref is not None:
-                            self.ledger.claim(ref)
-                    elif attempt > 1 and drop_next is not None:
-                        drop_next()
-                    try:
-                        if ref is None:
-                            ref = await self.ledger.reserve(self.reserve_usd[item.cache_key], stop=self.halt, item=item.id,
-                                                            cache_key=item.cache_key, attempt=attempt)
-                    except BudgetExhausted as exc:
-                        self.stop(f"budget: {exc}")
-                        problem = "not started: budget"
-                        break
-                    if ref is None or self.halted:  # stopped or interrupted while waiting for the reservation
-                        if ref is not None:
-                            self.ledger.settle(ref, 0.0, note="not sent: job stopping")
-                        problem = f"not started: {self.stop_reason or self.interrupt}"
+                    asked, ahead = ahead, None
+                    ref, not_started = await self.reservation(item, attempt, asked, drop_next)
+                    if ref is None:
+                        problem = not_started
                         break
                 if on_reserved is not None:
                     on_reserved()
@@ -845,6 +1017,43 @@ class GenerationJob:
         finally:
             if ahead is not None:  # never awaited (e.g. cancelled while a Retry-After held the gate)
                 self.ledger.give_back(ahead)
+
+    async def reservation(self, item: WorkItem, attempt: int, ahead: asyncio.Future | None,
+                          drop_next: Callable[[], None] | None) -> tuple[str | None, str]:
+        """The reservation of one attempt: ``ahead``'s when it was granted, else one asked for now
+        (waiting while the caps are full). Returns ``(ref, "")``, or ``(None, why not started)``
+        when the budget, a stop, an interruption or a failed ledger write comes first."""
+        ref = None
+        try:
+            if ahead is not None:
+                try:
+                    ref = await ahead
+                except asyncio.CancelledError:
+                    self.ledger.give_back(ahead)
+                    raise
+                if ref is not None:
+                    self.ledger.claim(ref)
+            elif attempt > 1 and drop_next is not None:
+                drop_next()
+            if ref is None:
+                ref = await self.ledger.reserve(self.reserve_usd[item.cache_key], stop=self.halt, item=item.id,
+                                                cache_key=item.cache_key, attempt=attempt)
+        except BudgetExhausted as exc:
+            self.stop(f"budget: {exc}")
+            return None, "not started: budget"
+        except LEDGER_WRITE_ERRORS as exc:
+            self.write_failed(ledger_write_error(self.ledger.ledger.path, exc))
+            return None, f"not started: {self.stop_reason}"
+        if ref is None or self.halted:  # stopped or interrupted while waiting for the reservation
+            if ref is not None:
+                self.ledger.settle(ref, 0.0, note="not sent: job stopping")
+            return None, f"not started: {self.stop_reason or self.interrupt}"
+        return ref, ""
+
+    def write_failed(self, what: str) -> None:
+        """A cache or ledger write failed (a full disk): no new request starts; the answers in
+        flight are kept (:meth:`ResponseCache.append_line`, then :func:`keep_paid_answers`)."""
+        self.stop(f"{what}; answers received are kept")
 
     async def attempt(self, item: WorkItem, conn: Any, ref: str | None, attempt: int, started: str, t0: float) -> Outcome:
         led = self.ledger
@@ -1023,10 +1232,107 @@ def _auth_headers(backend: str, dataset: str) -> dict[str, str]:
     return headers
 
 
+def _never_failing(log: Log) -> Log:
+    """``log``, falling back to stderr when its file cannot be written: a full disk must not keep
+    the job from saving the answers it was paid for."""
+
+    def safe(message: str) -> None:
+        try:
+            log(message)
+        except OSError:
+            try:
+                _stderr_log(message)
+            except OSError:
+                pass
+
+    return safe
+
+
+async def take_cache_lock(config: Mapping[str, Any], dataset: str, log: Log) -> Any:
+    """The dataset's cache writer lock (:mod:`eagledata.cachelock`), waited for; a timeout is a
+    :class:`GenerationError` naming the holder."""
+    try:
+        return await acquire_writer_lock(config["cache_dir"], dataset, lock_wait_s(dataset_generation(config, dataset)), log)
+    except CacheLockTimeout as exc:
+        raise GenerationError(f"generate {dataset}: {exc}") from None
+
+
+def import_rescued_answers(cache: ResponseCache, dataset: str, log: Log) -> int:
+    """Answers an earlier job saved in rescue files (its cache disk was full) go into the cache
+    before anything is sent; raises :class:`GenerationError` (nothing sent) while the cache
+    refuses them."""
+    files = find_rescue_files(cache.path, dataset)
+    if not files:
+        return 0
+    try:
+        n = cache.import_rescued(files)
+    except OSError as exc:
+        cache.close()
+        raise GenerationError(
+            f"generate {dataset}: paid answers saved in {', '.join(map(str, files))} could not be imported into the "
+            f"cache {cache.path} ({exc.strerror or exc}; {free_space(cache.path)}); nothing was sent: free space on "
+            "the cache's disk and rerun") from None
+    log(f"imported {n} paid answer(s) from {', '.join(map(str, files))} into {cache.path} before any request "
+        "(the rescue files are deleted)")
+    return n
+
+
+async def keep_paid_answers(cache: ResponseCache, wait_s: float, log: Log) -> str:
+    """After the requests: make every answer received durable. Answers that a failed write left
+    in memory are written to the cache as soon as it takes them (retried with backoff for
+    ``wait_s``), else stay in the rescue file, which the next run imports before it sends
+    anything. Returns what happened to them, for the stop message ("" when nothing failed);
+    raises :class:`GenerationError` when neither the cache nor a rescue directory takes them."""
+    cache.sync()
+    if not cache.pending:
+        return ""
+    n, deadline, delay, noted = len(cache.pending), time.monotonic() + wait_s, 0.25, 0.0
+    while True:
+        try:
+            cache.write_pending()
+        except OSError as exc:
+            now = time.monotonic()
+            if now + delay > deadline:
+                break
+            if now - noted >= 5.0:
+                noted = now
+                log(f"{n} paid answer(s) kept in memory: {cache.path} refuses them ({exc.strerror or exc}; "
+                    f"{free_space(cache.path)}); retrying for {deadline - now:.0f} s more")
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 5.0)
+            continue
+        log(f"{n} paid answer(s) kept in memory are now written to {cache.path} (space came back)")
+        return f"the {n} answer(s) kept in memory were written to the cache once space came back"
+    where = cache.rescue_all()
+    log(f"{n} paid answer(s) saved in {where}: the next run imports them into the cache before sending anything")
+    return (f"{n} paid answer(s) received are saved in {where}, not in the cache; the next run imports them "
+            "before it sends anything: free space on the cache's disk, then rerun")
+
+
+def answer_wait_s(cs: ClientSettings, t_run: float) -> float:
+    """How long kept answers wait for space: what is left of the job timeout, else ``drain_timeout_s``."""
+    if cs.job_timeout_s is not None:
+        return max(0.0, cs.job_timeout_s - (time.monotonic() - t_run))
+    return cs.drain_timeout_s
+
+
 async def generate_dataset_async(config: Mapping[str, Any], dataset: str, output_path: str | Path,
                                  log: Log = _stderr_log, summary_path: str | Path | None = None,
                                  progress_stream: Any = None) -> dict[str, Any]:
-    """See :func:`generate_dataset`."""
+    """See :func:`generate_dataset`. The dataset's cache lock, taken before the cache is read, is
+    held until the job ends."""
+    held: list[Any] = []
+    try:
+        return await _generate_locked(config, dataset, output_path, _never_failing(log), summary_path,
+                                      progress_stream, held)
+    finally:
+        for lock in held:
+            lock.release()
+
+
+async def _generate_locked(config: Mapping[str, Any], dataset: str, output_path: str | Path, log: Log,
+                           summary_path: str | Path | None, progress_stream: Any, held: list[Any]) -> dict[str, Any]:
+    """See :func:`generate_dataset`; appends the cache lock it takes to ``held``."""
     from .plan import PromptEstimator, load_estimator, price_bound
     from .progress import Progress
 
@@ -1048,10 +1354,12 @@ async def generate_dataset_async(config: Mapping[str, Any], dataset: str, output
         tokenizer = cached_model_tokenizer(config, s.model_name)
     work = dataset_work(config, dataset, tokenizer)
     items = work.items
-    cache = ResponseCache(Path(config["cache_dir"]) / dataset / "responses.jsonl")
+    held.append(await take_cache_lock(config, dataset, log))
+    cache = ResponseCache(Path(config["cache_dir"]) / dataset / "responses.jsonl", dataset)
     index = cache.load()
     if cache.skipped_lines:
         log(f"warning: {cache.path}: {cache.skipped_lines} unreadable line(s) ignored (those requests are sent again)")
+    import_rescued_answers(cache, dataset, log)
     todo: dict[str, WorkItem] = {}
     for it in items:
         if it.cache_key not in index:
@@ -1108,12 +1416,20 @@ async def generate_dataset_async(config: Mapping[str, Any], dataset: str, output
             progress = Progress(f"generate {dataset}", len(todo), log, stream=progress_stream)
             cache.open()
             job = GenerationJob(work, list(todo.values()), cs, cache, session, progress, log, reserve, price)
+            cache.on_write_error = lambda what: job.write_failed(f"cache write failed: {what}")
+            session.on_error = lambda exc: job.write_failed(ledger_write_error(ledger.path, exc))
             t_run, c_run = time.monotonic(), time.process_time()
             try:
                 await job.run()
             finally:
                 job.run_s, job.run_cpu_s = time.monotonic() - t_run, time.process_time() - c_run
-                await session.close()
+                try:
+                    await session.close()
+                except LEDGER_WRITE_ERRORS as exc:
+                    job.write_failed(ledger_write_error(ledger.path, exc))
+                saved = await keep_paid_answers(cache, answer_wait_s(cs, t_run), log)
+                if saved:
+                    job.stop_reason = f"{job.stop_reason}; {saved}"
                 if progress.done != progress.total:
                     progress.update(force=True)
                 progress.close()
@@ -1147,7 +1463,11 @@ async def generate_dataset_async(config: Mapping[str, Any], dataset: str, output
                     "completion_tokens_per_s": round(job.completion_tokens / elapsed, 1) if job else None,
                     "stopped": (job.stop_reason or job.interrupt) if job else None,
                     "output": str(output_path), "cache": str(cache.path)})
-    write_json_atomic(Path(config["cache_dir"]) / dataset / "generation_summary.json", summary)
+    try:
+        write_json_atomic(Path(config["cache_dir"]) / dataset / "generation_summary.json", summary)
+    except OSError as exc:
+        log(f"warning: generation summary not written beside the cache ({exc.strerror or exc}; "
+            f"{free_space(config['cache_dir'])})")
     if job is not None and job.interrupt is not None:
         raise Interrupted(f"generate {dataset} interrupted ({job.interrupt}): {len(job.finished)} response(s) received "
                           f"this run; {len(cache.index)} cached in {cache.path} (consistent); a rerun requests only "
