@@ -8,9 +8,7 @@ import json
 import os
 import random
 import signal
-import sqlite3
 import time
-from pathlib import Path
 
 import pytest
 
@@ -18,7 +16,8 @@ from eagledata.generate import GenerationError, Interrupted, generate_dataset
 from eagledata.progress import Progress
 from eagledata.responses import parse_response
 from eagledata.simulator import SimulatorServer, prompt_hash
-from gen_helpers import API_KEY, generate_cmd, make_config, quiet, read_jsonl, spawn, write_prompts
+from gen_helpers import (API_KEY, cache_lines, generate_cmd, ledger_rows, make_config, quiet, read_jsonl, spawn,
+                         wait_cache_lines, write_prompts)
 
 
 @pytest.fixture
@@ -40,19 +39,6 @@ def stand_in(k25):
     yield make
     for s in servers:
         s.stop()
-
-
-def ledger_rows(tmp: Path) -> list[tuple]:
-    db = sqlite3.connect(str(tmp / "cache" / "budget.sqlite"))
-    try:
-        return db.execute("SELECT state, reserved, cost, generation_id, note FROM reservations").fetchall()
-    finally:
-        db.close()
-
-
-def cache_lines(tmp: Path, dataset: str = "d") -> list[dict]:
-    path = tmp / "cache" / dataset / "responses.jsonl"
-    return read_jsonl(path) if path.exists() else []
 
 
 # --------------------------------------------------------------------------------------------
@@ -131,14 +117,6 @@ def test_final_4xx_and_401_are_reported_per_prompt(stand_in, tmp_path, key):
 # kill -9, SIGTERM, job timeout
 
 
-def _wait_lines(tmp: Path, n: int, proc, timeout: float = 30) -> None:
-    t0 = time.monotonic()
-    while len(cache_lines(tmp)) < n:
-        assert proc.poll() is None, "generate ended early"
-        assert time.monotonic() - t0 < timeout, "no progress"
-        time.sleep(0.01)
-
-
 def test_kill_9_then_rerun_loses_nothing(stand_in, tmp_path):
     sim = stand_in(latency_ms=60)
     prompts = write_prompts(tmp_path / "p.jsonl", 40)
@@ -146,7 +124,7 @@ def test_kill_9_then_rerun_loses_nothing(stand_in, tmp_path):
     cfg = make_config(tmp_path, prompts, sim.tokenizer.source, api_base=sim.base_url, concurrency=concurrency)
     cmd = generate_cmd(cfg, tmp_path)
     proc = spawn(cmd, tmp_path / "run1.log")
-    _wait_lines(tmp_path, random.Random(os.getpid()).randint(5, 30), proc)
+    wait_cache_lines(tmp_path, random.Random(os.getpid()).randint(5, 30), proc)
     proc.send_signal(signal.SIGKILL)
     assert proc.wait(10) == -signal.SIGKILL
     received = cache_lines(tmp_path)
@@ -263,7 +241,7 @@ def test_sigterm_drains_in_flight_and_leaves_the_cache_consistent(stand_in, tmp_
     cfg = make_config(tmp_path, prompts, sim.tokenizer.source, api_base=sim.base_url, concurrency=4)
     cmd = generate_cmd(cfg, tmp_path)
     proc = spawn(cmd, tmp_path / "run1.log")
-    _wait_lines(tmp_path, 4, proc)
+    wait_cache_lines(tmp_path, 4, proc)
     time.sleep(0.1)  # requests are in flight
     in_flight = sim.in_flight
     proc.send_signal(signal.SIGTERM)
