@@ -4,6 +4,12 @@ The environment matches what ``apply_chat_template`` gives templates: ``trim_blo
 ``lstrip_blocks``, the loop-controls extension, a ``tojson`` filter accepting ``ensure_ascii``,
 ``indent``, ``separators`` and ``sort_keys``, ``raise_exception`` and ``strftime_now``. Prompt ids are
 the rendered text encoded with special-token parsing on, as a serving stack does with a template.
+
+Tools are declared the way the model's own tokenizer code declares them (the family's
+``tool_declaration``, carried by the loaded tokenizer): ``json`` hands ``tools`` to the template as
+given; ``typescript`` (Kimi K2.5, K2 Thinking) deep-sorts them by key and passes the TypeScript-style
+declaration as ``tools_ts_str`` too, falling back to the sorted JSON when the declaration cannot
+express a schema, exactly as Kimi's ``apply_chat_template`` does.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .tokenizer import Tokenizer
+from .tool_declaration import ToolDeclarationError, deep_sort, typescript_tool_declaration
 
 
 class ChatTemplateError(Exception):
@@ -63,6 +70,45 @@ def render_chat(
         raise ChatTemplateError(f"chat template failed: {exc}") from exc
 
 
+def declare_tools(tools: Sequence[Mapping[str, Any]] | None, tool_declaration: str) -> tuple[list | None, dict[str, Any]]:
+    """(tools, extra template variables) as the model's tokenizer code hands them to the template."""
+    if not tools:
+        return None, {}
+    if tool_declaration == "json":
+        return list(tools), {}
+    if tool_declaration != "typescript":
+        raise ChatTemplateError(f"unknown tool declaration {tool_declaration!r} (json | typescript)")
+    tools = deep_sort(list(tools))
+    try:
+        declaration = typescript_tool_declaration(tools)
+    except ToolDeclarationError:
+        declaration = ""  # Kimi's code falls back to the (sorted) JSON in the template
+    return tools, ({"tools_ts_str": declaration} if declaration else {})
+
+
+def tool_declaration_of(tokenizer: Tokenizer) -> str:
+    """The tool declaration the tokenizer's model family uses (``json`` when it does not say)."""
+    return getattr(tokenizer, "tool_declaration", "json")
+
+
+def prompt_text(
+    tokenizer: Tokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    thinking: bool | None = None,
+    template: str | None = None,
+    add_generation_prompt: bool = True,
+    tool_declaration: str | None = None,
+) -> str:
+    """The rendered prompt text for ``messages``; ``tool_declaration`` overrides the tokenizer's
+    (``json`` renders what a provider that ignores the model's tokenizer code renders)."""
+    tmpl = template or tokenizer.chat_template
+    if not tmpl:
+        raise ChatTemplateError(f"tokenizer {tokenizer.source} has no chat template; set chat_template in the model config")
+    declared, extra = declare_tools(tools, tool_declaration or tool_declaration_of(tokenizer))
+    return render_chat(tmpl, messages, declared, add_generation_prompt=add_generation_prompt, thinking=thinking, **extra)
+
+
 def prompt_ids(
     tokenizer: Tokenizer,
     messages: Sequence[Mapping[str, Any]],
@@ -70,12 +116,10 @@ def prompt_ids(
     thinking: bool | None = None,
     template: str | None = None,
     add_generation_prompt: bool = True,
+    tool_declaration: str | None = None,
 ) -> list[int]:
-    """Token ids of the prompt the model sees for ``messages``."""
-    tmpl = template or tokenizer.chat_template
-    if not tmpl:
-        raise ChatTemplateError(f"tokenizer {tokenizer.source} has no chat template; set chat_template in the model config")
-    text = render_chat(tmpl, messages, tools, add_generation_prompt=add_generation_prompt, thinking=thinking)
+    """Token ids of the prompt the model sees for ``messages`` (see :func:`prompt_text`)."""
+    text = prompt_text(tokenizer, messages, tools, thinking, template, add_generation_prompt, tool_declaration)
     return tokenizer.encode_with_specials(text)
 
 

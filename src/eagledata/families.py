@@ -29,6 +29,14 @@ KIMI_PATTERN = "|".join(
 )
 
 
+class UnknownFamilyError(KeyError):
+    pass
+
+
+#: Ways a family's tokenizer code declares tools to the chat template.
+TOOL_DECLARATIONS = ("json", "typescript")
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     """Token conventions of one model family.
@@ -58,6 +66,15 @@ class ModelFamily:
     pattern: str = KIMI_PATTERN
     #: Number of special ids above the BPE ranks (reserved ones get ``<|reserved_token_N|>`` names).
     special_range: int = 256
+    #: How the model's own tokenizer code declares a request's tools to the chat template:
+    #: ``json`` (the template serialises ``tools`` itself) or ``typescript`` (K2.5 / K2 Thinking:
+    #: tools deep-sorted by key, then passed as ``tools_ts_str``, see :mod:`eagledata.tool_declaration`).
+    tool_declaration: str = "json"
+
+    def __post_init__(self) -> None:
+        if self.tool_declaration not in TOOL_DECLARATIONS:
+            raise UnknownFamilyError(f"family {self.name!r}: tool_declaration must be one of {list(TOOL_DECLARATIONS)}, "
+                                     f"got {self.tool_declaration!r}")
 
     def completion_specials(self) -> tuple[str, ...]:
         """Names of every special token a completion of this family may contain."""
@@ -76,8 +93,9 @@ class ModelFamily:
 
 
 _KIMI_K2 = ModelFamily(name="kimi-k2", thinking=False)
-_KIMI_K2_THINKING = ModelFamily(name="kimi-k2-thinking", thinking=True, think_in_prompt=False)
-_KIMI_K25 = ModelFamily(name="kimi-k2.5", thinking=True, think_in_prompt=True)
+_KIMI_K2_THINKING = ModelFamily(name="kimi-k2-thinking", thinking=True, think_in_prompt=False,
+                                tool_declaration="typescript")
+_KIMI_K25 = ModelFamily(name="kimi-k2.5", thinking=True, think_in_prompt=True, tool_declaration="typescript")
 
 BUILTIN_FAMILIES: dict[str, ModelFamily] = {
     "kimi-k2": _KIMI_K2,
@@ -86,10 +104,6 @@ BUILTIN_FAMILIES: dict[str, ModelFamily] = {
     "kimi-k2.5": _KIMI_K25,
     "kimi-k2.6": replace(_KIMI_K25, name="kimi-k2.6"),
 }
-
-
-class UnknownFamilyError(KeyError):
-    pass
 
 
 def get_family(name: str, overrides: Mapping[str, Mapping[str, Any]] | None = None) -> ModelFamily:

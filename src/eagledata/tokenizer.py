@@ -52,6 +52,8 @@ class Tokenizer(Protocol):
     chat_template: str | None
     fingerprint: str
     vocab_size: int
+    #: how the model's tokenizer code declares tools to the chat template (the family's setting)
+    tool_declaration: str
 
     def encode_plain(self, text: str) -> list[int]: ...
     def encode_with_specials(self, text: str) -> list[int]: ...
@@ -125,6 +127,7 @@ class TiktokenTokenizer:
     chat_template: str | None
     fingerprint: str
     vocab_size: int
+    tool_declaration: str = "json"
 
     def encode_plain(self, text: str) -> list[int]:
         enc = self.encoding.encode_ordinary  # type: ignore[attr-defined]
@@ -232,6 +235,7 @@ class HFTokenizer:
     chat_template: str | None
     fingerprint: str
     vocab_size: int
+    tool_declaration: str = "json"
 
     def encode_plain(self, text: str) -> list[int]:
         return list(self.tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])  # type: ignore[operator]
@@ -294,6 +298,7 @@ def load_tokenizer(
         tok = load_hf(str(source), trust_remote_code=trust_remote_code, chat_template=chat_template)
     else:
         raise TokenizerError(f"unknown tokenizer kind {kind!r} (tiktoken | hf | auto)")
+    tok.tool_declaration = family.tool_declaration
     if check:
         self_check(tok, family.required_specials())
     return tok
