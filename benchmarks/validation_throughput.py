@@ -17,7 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-from eagledata.checks import SampleStats, learn_conventions, structural_codes, verdict
+from eagledata.checks import (SampleStats, completion_verdict, convention_for, learn_conventions, prompt_verdict,
+                              structural_codes, verdict)
+from eagledata.learning import learn_prompt_variants, learn_reasoning_reliability, reasoning_checked
+from eagledata.policy import resolve_policy
 from eagledata.reconstruct import reconstruct_completion
 from eagledata.responses import parse_response
 from eagledata.samples import Sample
@@ -92,14 +95,22 @@ def main() -> int:
         ratios.append(v / r)
     t0 = time.perf_counter()
     conventions = learn_conventions(stats)
-    verdicts = [verdict(s, conventions[s.provider]["convention"])[0] for s in stats]
+    reliability = learn_reasoning_reliability(stats, conventions)
+    learn_prompt_variants(stats)
+    policy = resolve_policy("default")
+    verdicts, admitted = [], 0
+    for s in stats:
+        v, codes = verdict(s, convention_for(conventions, s.provider, s.finish_reason),
+                           reasoning_checked(reliability, s.provider))
+        verdicts.append(v)
+        admitted += policy.admits(completion_verdict(codes), prompt_verdict(s))
     t_val += time.perf_counter() - t0
     ratios.sort()
     median = ratios[len(ratios) // 2]
 
     exact = verdicts.count("exact")
     print(f"reconstruction alone:       {args.n / t_rec:,.0f} samples/s")
-    print(f"reconstruction + validation: {args.n / t_val:,.0f} samples/s  ({exact}/{args.n} exact)")
+    print(f"reconstruction + validation: {args.n / t_val:,.0f} samples/s  ({exact}/{args.n} exact, {admitted} admitted)")
     added = median - 1
     print(f"per-round added time: median {added:.1%}, min {ratios[0] - 1:.1%}, max {ratios[-1] - 1:.1%}; "
           f"totals {t_val / t_rec - 1:.1%}")

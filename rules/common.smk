@@ -86,6 +86,10 @@ def dataset_max_bad_fraction(wildcards):
     return _validation_setting(wildcards, "max_bad_fraction")
 
 
+def dataset_bad_counts(wildcards):
+    return _validation_setting(wildcards, "bad_counts")
+
+
 def export_targets(name):
     """Trainer exports of dataset `name` (config export.specforge / export.speculators), only
     where its hidden states are a target. rules/export.smk builds them."""

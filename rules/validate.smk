@@ -8,6 +8,7 @@ rule validate:
         summary=report(f"{RESULTS}/{{dataset}}/validation.txt", category="Validation", labels={"dataset": "{dataset}", "file": "summary"}),
     params:
         max_bad_fraction=dataset_max_bad_fraction,
+        bad_counts=dataset_bad_counts,
     log:
         "logs/{dataset}/validate.log",
     conda:

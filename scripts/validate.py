@@ -11,7 +11,8 @@ sm = snakemake  # noqa: F821 - injected by Snakemake
 logging.basicConfig(filename=sm.log[0], level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 manifest = json.loads((Path(sm.input.tokens) / "manifest.json").read_text(encoding="utf-8"))
 try:
-    report = write_validation(sm.input.tokens, sm.output.json, sm.output.summary, sm.params.max_bad_fraction)
+    report = write_validation(sm.input.tokens, sm.output.json, sm.output.summary, sm.params.max_bad_fraction,
+                              sm.params.bad_counts)
     record_validation(history_path(sm.config["cache_dir"]), report, manifest)
     logging.info("\n%s", render_summary(report))
 except ValidationFailed as exc:

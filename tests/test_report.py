@@ -62,7 +62,7 @@ def _bill(rec, tok, completion_delta=0, prompt_delta=0):
 
 def synthetic_records(tok):
     """Providers: 'Good AI' (exact, one repaired tool id, literal markup), 'Mid Cloud' (4 of 5 good),
-    'Bad Host' (2 of 6 good), 'Few' (one truncated sample), and an error without a provider."""
+    'Bad Host' (3 of 7 completions verified, one of them with a differing prompt), 'Few' (one truncated sample), and an error without a provider."""
     recs = [_bill(_record(f"good-{i}", "Good AI"), tok) for i in range(5)]
     recs.append(_bill(_record("rewritten", "Good AI", content="", finish="tool_calls",
                               tool_calls=[{"id": "call_9x", "type": "function",
@@ -72,7 +72,7 @@ def synthetic_records(tok):
     # the provider stripped a leading space that was a token of its own: billed one more than ours
     recs.append(_bill(_record("stripped", "Mid Cloud", content=C.lstrip()), tok, completion_delta=1))
     recs += [_bill(_record(f"bad-ok-{i}", "Bad Host"), tok) for i in range(2)]
-    recs += [_bill(_record(f"bad-{i}", "Bad Host"), tok, completion_delta=3 + i) for i in range(3)]
+    recs += [_bill(_record(f"bad-{i}", "Bad Host"), tok, completion_delta=3 + i) for i in range(4)]
     recs.append(_bill(_record("badprompt", "Bad Host"), tok, prompt_delta=7))
     recs.append(_bill(_record("truncated", "Few", content=" It is", finish="length"), tok))
     recs.append(_record("error200", "x", error={"code": 502, "message": "upstream <failed>"}))
@@ -265,8 +265,10 @@ def test_routing_advice_rules():
     # never ignore every provider (that config would fail every request): only those with nothing good
     a = rp.routing_advice({"X": {"total": 10, "exact": 1}, "Y": {"total": 10, "exact": 3}, "Z": {"total": 9}}, 5, 0.5)
     assert a["order"] == ["y", "x"] and a["ignore"] == ["z"] and a["notes"]
+    # no verified completion anywhere: nothing advised, nothing ignored, and the advice says so
     a = rp.routing_advice({"X": {"total": 10}, "Y": {"total": 10}}, 5, 0.5)
-    assert a["ignore"] == [] and sorted(a["order"]) == ["x", "y"] and a["notes"]
+    assert a["ignore"] == [] and a["order"] == [] and a["notes"]
+    assert {r["decision"] for r in a["providers"]} == {"no_verified_completion"}
     # equal shares: the completion-side share breaks the tie
     a = rp.routing_advice({"P": {"total": 10, "exact": 8, "completion_verified": 8},
                            "Q": {"total": 10, "exact": 8, "completion_verified": 10}}, 5, 0.5)

@@ -72,7 +72,17 @@ def test_verdicts_on_adversarial_samples(k25, synthetic, tmp_path):
     assert v["error200"] == "error" and "error_in_body" in reasons["error200"]
     assert "reasoning_count_mismatch" in reasons["badreasoning"]
     assert "prompt_count_mismatch" in reasons["badprompt"]
-    assert dict(zip(df["id"], df["train"])) == {k: k in ("exact", "exact2", "literal", "rewritten") for k in v}
+    # both verdicts: the differing prompt is reported, its proven completion kept (default policy)
+    cv, pv = dict(zip(df["id"], df["completion_verdict"])), dict(zip(df["id"], df["prompt_verdict"]))
+    assert v["badprompt"] == "mismatch" and cv["badprompt"] == "exact" and pv["badprompt"] == "differs"
+    assert {k for k, p in pv.items() if p == "differs"} == {"badprompt"}
+    assert cv["rewritten"] == "repaired" and cv["error200"] == "error" and cv["stripped"] == "mismatch"
+    admitted = ("exact", "exact2", "literal", "rewritten", "badprompt")
+    assert dict(zip(df["id"], df["train"])) == {k: k in admitted for k in v}
+    assert res.manifest["policy"] == "default"
+    strict = build_token_shards(synthetic, tmp_path / "strict", tok, fam, "syn", policy="strict")
+    kept = set(read_shards(tmp_path / "strict").filter(pl.col("train"))["id"])
+    assert strict.manifest["policy"] == "strict" and kept == {"exact", "exact2", "literal"}
     assert len(res.manifest["shards"]) == 3 and [s["rows"] for s in res.manifest["shards"]] == [4, 4, 1]
     for s in res.manifest["shards"]:
         assert sha256_file(tmp_path / "tokens" / s["file"]) == s["sha256"]
@@ -86,9 +96,16 @@ def test_validation_report_and_threshold(k25, synthetic, tmp_path):
     tok, fam = k25
     build_token_shards(synthetic, tmp_path / "tokens", tok, fam, "syn")
     rep = summarize(tmp_path / "tokens", 1.0)
-    assert rep["counts"] == {"total": 9, "exact": 3, "repaired": 1, "mismatch": 4, "error": 1, "excluded": 5, "included": 4}
+    assert rep["counts"] == {"total": 9, "exact": 3, "repaired": 1, "mismatch": 4, "error": 1, "excluded": 4, "included": 5,
+                             "completion": {"exact": 4, "repaired": 1, "mismatch": 3, "error": 1},
+                             "prompt": {"exact": 7, "differs": 1, "unbilled": 1, "error": 0},
+                             "admitted_with_prompt_differs": 1}
     assert rep["reasons"]["truncated"]["ids"] == ["truncated"]
+    # the gate counts bad completions (4 of 9) by default, the joint verdicts (5 of 9) with bad_counts: both
+    assert rep["bad_fraction"] == round(4 / 9, 6)
     with pytest.raises(ValidationFailed, match="55.56%"):
+        write_validation(tmp_path / "tokens", tmp_path / "v2.json", tmp_path / "v2.txt", 0.10, bad_counts="both")
+    with pytest.raises(ValidationFailed, match="44.44%"):
         write_validation(tmp_path / "tokens", tmp_path / "v.json", tmp_path / "v.txt", 0.10)
     assert json.loads((tmp_path / "v.json").read_text())["passed"] is False
     assert "FAILED" in (tmp_path / "v.txt").read_text()

@@ -71,6 +71,11 @@ def test_verdicts_never_bless_wrong_ids(profile, demo_tok, tmp_path):
         verdicts.add(row["verdict"])
         if row["verdict"] in ("exact", "repaired"):
             assert row["input_ids"] == truth.prompt_ids + truth.ids, (profile, rec["id"], row["reasons"])
+        # each side on its own: proven only when that side's ids are the truth
+        if row["completion_verdict"] in ("exact", "repaired"):
+            assert row["input_ids"][row["prompt_len"]:] == truth.ids, (profile, rec["id"], row["reasons"])
+        if row["prompt_verdict"] == "exact":
+            assert row["input_ids"][: row["prompt_len"]] == truth.prompt_ids, (profile, rec["id"])
     assert verdicts <= EXPECTED.get(profile, {"exact", "repaired", "mismatch"}), (profile, verdicts)
     if profile in ("exact", "no-eot"):
         assert verdicts == {"exact"}

@@ -66,6 +66,9 @@ REASONS: dict[str, tuple[str, str]] = {
     "prompt_path_differs": ("info", "the engine's prompt ids differ from our chat-template rendering (the engine's are used)"),
     "tool_id_index_unexpected": ("info", "a native tool-call id's index differs from the conversation-wide count"),
     "reasoning_count_unreported": ("info", "the provider reports 0 reasoning tokens for a response with reasoning"),
+    "reasoning_count_unchecked": ("info", "this provider's reasoning_tokens is learned not to be a checksum (it disagrees "
+                                  "in both directions while the completion totals agree): the reasoning/content split "
+                                  "was not count-checked, the completion total was"),
 }
 
 _ERROR_CODES = {"http": "http_error", "body": "error_in_body", "stream": "error_mid_stream",
@@ -87,6 +90,9 @@ class SampleStats:
     billed_completion: int | None
     billed_reasoning: int | None
     codes: list[str] = field(default_factory=list)  # convention-independent reasons
+    has_tools: bool = False
+    #: our prompt length under other renderings a provider may use (e.g. ``json_tools``)
+    prompt_alt: dict[str, int] | None = None
 
     def completion_diff(self, convention: str) -> int | None:
         if self.billed_completion is None:
@@ -97,6 +103,11 @@ class SampleStats:
     @property
     def prompt_diff(self) -> int | None:
         return None if self.billed_prompt is None or self.prompt_len == 0 else self.prompt_len - self.billed_prompt
+
+    def reasoning_diff(self) -> int | None:
+        """Billed reasoning minus ours when the provider reports a positive count, else ``None``."""
+        br = self.billed_reasoning
+        return br - self.reasoning_len if br is not None and br > 0 else None
 
 
 def structural_codes(sample: Sample, tokenizer: Tokenizer, family: ModelFamily) -> list[str]:
@@ -155,12 +166,22 @@ def _special_sequence(rc, first_special: int | None) -> list[int] | None:
     return out if pos == len(ids) else None
 
 
+def _decoder(tokenizer: Tokenizer):
+    """``tokenizer.decode`` for a list of ids; straight to tiktoken's bytes decoder when there is one
+    (the same text: UTF-8 with replacement, as tiktoken's own ``decode``)."""
+    encoding = getattr(tokenizer, "encoding", None)
+    decode_bytes = getattr(encoding, "decode_bytes", None)
+    if decode_bytes is None:
+        return tokenizer.decode
+    return lambda ids: decode_bytes(ids).decode("utf-8", "replace")
+
+
 def _structure_codes(rc, tokenizer: Tokenizer, family: ModelFamily, truncated: bool) -> list[str]:
     ids = rc.ids
     codes = []
     think_close, begin, end, call_begin, arg_begin, call_end, eot = _family_ids(tokenizer, family)
     first_special = getattr(tokenizer, "first_special_id", None)
-    decode = tokenizer.decode
+    decode = _decoder(tokenizer)
     text_clean = True
     for seg in rc.segments:
         if seg.text is None:
@@ -208,6 +229,7 @@ def sample_stats(sample: Sample, tokenizer: Tokenizer, family: ModelFamily) -> S
         billed_completion=p.completion_tokens,
         billed_reasoning=p.reasoning_tokens,
         codes=structural_codes(sample, tokenizer, family),
+        has_tools=bool(sample.request.get("tools")),
     )
 
 
@@ -255,8 +277,10 @@ def convention_for(conventions: Mapping[str, Mapping], provider: str, finish_rea
     return group["convention"] if group else p.get("convention", "unknown")
 
 
-def verdict(stats: SampleStats, convention: str) -> tuple[str, list[str]]:
-    """(verdict, reasons) of one sample under its provider's convention."""
+def verdict(stats: SampleStats, convention: str, reasoning_checked: bool = True) -> tuple[str, list[str]]:
+    """(verdict, reasons) of one sample under its provider's convention. ``reasoning_checked=False``
+    (a provider whose reasoning count is learned not to be a checksum) leaves the reasoning split
+    unchecked and says so; the completion total is checked either way."""
     codes = list(stats.codes)
     if convention == "unknown":
         if stats.billed_completion is not None and not _has(codes, "error"):
@@ -270,7 +294,7 @@ def verdict(stats: SampleStats, convention: str) -> tuple[str, list[str]]:
         if br == 0 and stats.reasoning_len > 0:
             codes.append("reasoning_count_unreported")
         elif br > 0 and br not in (stats.reasoning_len, stats.reasoning_len + 1):
-            codes.append("reasoning_count_mismatch")
+            codes.append("reasoning_count_mismatch" if reasoning_checked else "reasoning_count_unchecked")
     if stats.prompt_diff not in (None, 0):
         codes.append("prompt_count_mismatch")
     return verdict_of(codes), codes
@@ -299,7 +323,29 @@ def repairable(codes: list[str]) -> bool:
 
 def completion_verified(codes: list[str]) -> bool:
     """Every completion-side check passes (the prompt may still differ)."""
-    return not ({c for c in codes if REASONS[c][0] in ("block", "error")} - {"prompt_count_mismatch"})
+    return completion_verdict(codes) in ("exact", "repaired")
+
+
+#: Reasons about the prompt side only; every other reason is about the completion (or the whole
+#: record: an error, an unrenderable prompt).
+PROMPT_CODES = frozenset({"prompt_count_mismatch", "prompt_path_differs"})
+
+
+def completion_verdict(codes: list[str]) -> str:
+    """The completion's verdict (``exact`` | ``repaired`` | ``mismatch`` | ``error``): every reason
+    but the prompt-side ones."""
+    return verdict_of([c for c in codes if c not in PROMPT_CODES])
+
+
+def prompt_verdict(stats: SampleStats) -> str:
+    """The prompt's verdict: ``exact`` (our canonical rendering has the billed count), ``differs``,
+    ``unbilled`` (no prompt count to check against) or ``error`` (the prompt could not be rendered)."""
+    if "prompt_unrenderable" in stats.codes:
+        return "error"
+    diff = stats.prompt_diff
+    if diff is None:
+        return "unbilled"
+    return "exact" if diff == 0 else "differs"
 
 
 def _has(codes: list[str], severity: str) -> bool:
@@ -311,10 +357,4 @@ def explain(codes: Iterable[str]) -> list[str]:
 
 
 VERDICTS = ("exact", "repaired", "mismatch", "error")
-
-#: Which verdicts enter token-shard training selection and extraction, per policy name.
-POLICIES: Mapping[str, frozenset[str]] = {
-    "exact": frozenset({"exact"}),
-    "exact+repaired": frozenset({"exact", "repaired"}),
-    "all": frozenset({"exact", "repaired", "mismatch"}),
-}
+PROMPT_VERDICTS = ("exact", "differs", "unbilled", "error")

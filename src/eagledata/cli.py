@@ -77,11 +77,17 @@ def cmd_profiles(args: argparse.Namespace) -> int:
         print(f"no validated runs recorded yet ({path})")
         return 0
     print(f"provider fidelity over every validated run ({path}):")
-    print(f"{'provider':<16}{'total':>7}{'exact':>7}{'repair':>7}{'mism':>7}{'error':>7}{'good':>8}  convention   transformations seen")
+    print(f"{'provider':<16}{'total':>7}{'exact':>7}{'repair':>7}{'mism':>7}{'error':>7}{'c.ok':>8}{'p.exact':>8}"
+          "  convention   transformations seen; prompt variants; reasoning count")
     for name, p in profiles.items():
         seen = ", ".join(f"{k} x{n}" for k, n in p["transformations_seen"].items()) or "-"
+        if p.get("prompt_variants"):
+            seen += "; prompt " + ", ".join(p["prompt_variants"])
+        if not p.get("reasoning_checksum", True):
+            seen += "; reasoning count not a checksum"
+        verified = p["completion_verified"] / p["total"] if p["total"] else 0.0
         print(f"{name:<16}{p['total']:>7}{p['exact']:>7}{p['repaired']:>7}{p['mismatch']:>7}{p['error']:>7}"
-              f"{p['good_share']:>8.1%}  {p['convention']:<12} {seen}")
+              f"{verified:>8.1%}{p.get('prompt_exact_share', 0.0):>8.1%}  {p['convention']:<12} {seen}")
     return 0
 
 

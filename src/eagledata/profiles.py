@@ -5,8 +5,9 @@ Each validated dataset contributes one entry per provider to a history file (JSO
 survives reruns and ``--delete-all-output``). An entry is keyed by (dataset, responses sha256,
 tokenizer fingerprint, provider): validating the same data again replaces its entry instead of
 counting it twice. :func:`accumulated_profiles` sums the history into one profile per provider:
-counts per verdict, exact share, count-convention votes, the transformations seen, and the
-distribution of completion count differences.
+counts per verdict (joint and per side), exact share, count-convention votes, the transformations
+seen, the distribution of completion count differences, the prompt rendering variants seen, and the
+reasoning count reliability learned in each run (with its evidence: samples and spread).
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ def record_validation(path: str | Path, report: Mapping[str, Any], manifest: Map
             **{k: p.get(k, 0) for k in ("total", *VERDICTS, "completion_verified")},
             "convention": p.get("convention"), "convention_by_finish": p.get("convention_by_finish", {}),
             "transformations_seen": p.get("transformations_seen", {}), "completion_diff": p.get("completion_diff", {}),
+            "completion": p.get("completion", {}), "prompt": p.get("prompt", {}), "prompt_variant": p.get("prompt_variant"),
+            "reasoning_count": p.get("reasoning_count", {}),
         })
     keys = {tuple(e[k] for k in _KEY_FIELDS) for e in new}
     kept = [e for e in _read(path) if tuple(e.get(k) for k in _KEY_FIELDS) not in keys]
@@ -69,7 +72,8 @@ def accumulated_profiles(path: str | Path) -> dict[str, dict[str, Any]]:
     for e in _read(Path(path)):
         p = out.setdefault(e["provider"], {"total": 0, **{k: 0 for k in VERDICTS}, "completion_verified": 0,
                                            "datasets": [], "convention_votes": Counter(),
-                                           "transformations_seen": Counter(), "completion_diff": Counter()})
+                                           "transformations_seen": Counter(), "completion_diff": Counter(),
+                                           "prompt": Counter(), "prompt_variants": Counter(), "reasoning_count": []})
         for k in ("total", *VERDICTS, "completion_verified"):
             p[k] += int(e.get(k) or 0)
         p["datasets"].append(e["dataset"])
@@ -77,6 +81,11 @@ def accumulated_profiles(path: str | Path) -> dict[str, dict[str, Any]]:
             p["convention_votes"][e["convention"]] += int(e.get("total") or 0)
         p["transformations_seen"].update(e.get("transformations_seen") or {})
         p["completion_diff"].update({d: int(n) for d, n in (e.get("completion_diff") or {}).items()})
+        p["prompt"].update(e.get("prompt") or {})
+        if e.get("prompt_variant"):
+            p["prompt_variants"][e["prompt_variant"]] += int(e.get("total") or 0)
+        if (e.get("reasoning_count") or {}).get("samples"):
+            p["reasoning_count"].append({"dataset": e["dataset"], **e["reasoning_count"]})
     for p in out.values():
         p["exact_share"] = round(p["exact"] / p["total"], 4) if p["total"] else 0.0
         p["good_share"] = round((p["exact"] + p["repaired"]) / p["total"], 4) if p["total"] else 0.0
@@ -84,6 +93,9 @@ def accumulated_profiles(path: str | Path) -> dict[str, dict[str, Any]]:
         p["convention"] = votes.most_common(1)[0][0] if votes else "unknown"
         p["convention_votes"] = dict(votes)
         p["transformations_seen"] = dict(p["transformations_seen"])
+        p["prompt"], p["prompt_variants"] = dict(p["prompt"]), dict(p["prompt_variants"])
+        p["prompt_exact_share"] = round(p["prompt"].get("exact", 0) / p["total"], 4) if p["total"] else 0.0
+        p["reasoning_checksum"] = all(r.get("checksum", True) for r in p["reasoning_count"])
         p["completion_diff"] = dict(sorted(p["completion_diff"].items(), key=lambda kv: int(kv[0])))
         p["datasets"] = sorted(set(p["datasets"]))
     return dict(sorted(out.items()))

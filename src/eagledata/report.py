@@ -13,14 +13,18 @@ Outputs (paths chosen by the caller; the workflow uses these)::
     {results}/validation.json         the whole run, summed (schema below)
     {results}/routing_advice.yaml     a ``provider:`` block to paste under ``generation:``
 
-Run-wide ``validation.json`` (schema 1; counts are sums of the datasets' counts)::
+Run-wide ``validation.json`` (schema 2; counts are sums of the datasets' counts; the per-side
+fields are those of :mod:`eagledata.validate`)::
 
-    {"schema": 1, "scope": "run", "passed", "bad_fraction",
-     "counts": {"total", "exact", "repaired", "mismatch", "error", "excluded", "included"},
+    {"schema": 2, "scope": "run", "passed", "bad_fraction",
+     "counts": {"total", "exact", "repaired", "mismatch", "error", "excluded", "included",
+                "completion": {VERDICT: N}, "prompt": {VERDICT: N}},
      "datasets": {NAME: {"counts", "passed", "bad_fraction", "max_bad_fraction", "policy",
                          "tokenizer_fingerprint"}},
      "providers": {NAME: {"total", "exact", "repaired", "mismatch", "error", "exact_share",
-                          "good_share", "completion_verified", "completion_verified_share",
+                          "good_share", "completion": {..}, "completion_verified", "completion_verified_share",
+                          "prompt": {..}, "prompt_exact_share", "prompt_variant" (one, "mixed" or null),
+                          "prompt_variants": {DATASET: variant}, "reasoning_count": {DATASET: {...}}, "admitted",
                           "convention" (one value, or "mixed"), "conventions": {DATASET: convention},
                           "convention_support", "convention_by_finish", "transformations_seen",
                           "completion_diff": {DIFF: N}, "prompt_diff": {DIFF: N}, "datasets": [...]}},
@@ -35,13 +39,14 @@ that only together form a UTF-8 character is shown as one unit); token boundarie
 shades, special tokens are labelled chips, and the tokens a sample's reasons implicate are outlined
 as described by :data:`IMPLICATED`.
 
-Routing advice (:func:`routing_advice`): per provider, the share of exact + repaired samples. With
-at least ``min_samples`` samples, a provider whose share is at least ``ignore_below`` goes into
-``order`` (best share first), one below it into ``ignore``; providers with fewer samples are left
-out of both (OpenRouter may still fall back to them). Ties are broken by the share of samples whose
-completion-side checks all pass. If every provider with enough samples would be ignored (a config
-ignoring every provider fails every request), only those without a single exact or repaired sample
-are ignored (none, if that is all of them) and the advice says so. Provider names are turned into
+Routing advice (:func:`routing_advice`): providers ranked by the share of verified completions
+(completion verdict exact or repaired), then by the share of exact prompts. With at least
+``min_samples`` samples, a provider whose verified share is at least ``ignore_below`` goes into
+``order``; one below it, or with no verified completion at all, into ``ignore``; providers with fewer
+samples are left out of both (OpenRouter may still fall back to them). A provider without a single
+verified completion is never in ``order``. If no provider qualifies for ``order``, those with any
+verified completion are kept in it, and nothing is ignored when none has one (a config ignoring every
+provider fails every request); the advice says so. Every row says why. Provider names are turned into
 OpenRouter slugs by lowercasing and dropping spaces (``"Moonshot AI"`` -> ``moonshotai``): a best
 effort, check them against OpenRouter's provider list.
 """
@@ -69,7 +74,7 @@ from .checks import REASONS, VERDICTS
 from .reconstruct import TEXT_KINDS
 from .tokens import read_shards
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 COUNT_KEYS = ("total", "exact", "repaired", "mismatch", "error", "excluded", "included")
 
 #: Settings of the reports (config key ``report``; every key optional).
@@ -111,6 +116,10 @@ def aggregate_validations(validations: Mapping[str, Mapping[str, Any]], min_samp
         c = v["counts"]
         for k in COUNT_KEYS:
             counts[k] += int(c.get(k, 0))
+        for side in ("completion", "prompt"):
+            for k, n in (c.get(side) or {}).items():
+                counts.setdefault(side, {}).setdefault(k, 0)
+                counts[side][k] += int(n)
         datasets[name] = {"counts": dict(c), "passed": v.get("passed"), "bad_fraction": v.get("bad_fraction"),
                           "max_bad_fraction": v.get("max_bad_fraction"), "policy": v.get("policy"),
                           "tokenizer_fingerprint": v.get("tokenizer_fingerprint")}
@@ -119,9 +128,12 @@ def aggregate_validations(validations: Mapping[str, Mapping[str, Any]], min_samp
             agg = providers.setdefault(prov, {"total": 0, **{k: 0 for k in VERDICTS}, "completion_verified": 0,
                                               "conventions": {}, "convention_support": Counter(),
                                               "convention_by_finish": {}, "transformations_seen": Counter(),
-                                              "completion_diff": Counter(), "prompt_diff": Counter(), "datasets": []})
+                                              "completion_diff": Counter(), "prompt_diff": Counter(), "datasets": [],
+                                              "completion": Counter(), "prompt": Counter(), "admitted": 0,
+                                              "prompt_variants": {}, "reasoning_count": {}})
             for k in ("total", *VERDICTS):
                 agg[k] += int(p.get(k, 0))
+            _add_sides(agg, name, p)
             # completion_verified: every completion-side check passes (older validation.json: exact + repaired)
             agg["completion_verified"] += int(p.get("completion_verified", int(p.get("exact", 0)) + int(p.get("repaired", 0))))
             agg["conventions"][name] = p.get("convention", "unknown")
@@ -137,6 +149,10 @@ def aggregate_validations(validations: Mapping[str, Mapping[str, Any]], min_samp
             agg["count"] += int(r.get("count", 0))
             agg["ids"][name] = list(r.get("ids") or [])
     for p in providers.values():
+        p["completion"], p["prompt"] = dict(p["completion"]), dict(p["prompt"])
+        p["prompt_exact_share"] = round(p["prompt"].get("exact", 0) / p["total"], 4) if p["total"] else 0.0
+        variants = {v for v in p["prompt_variants"].values() if v}
+        p["prompt_variant"] = variants.pop() if len(variants) == 1 else ("mixed" if variants else None)
         p["exact_share"] = round(p["exact"] / p["total"], 4) if p["total"] else 0.0
         p["good_share"] = round((p["exact"] + p["repaired"]) / p["total"], 4) if p["total"] else 0.0
         p["completion_verified_share"] = round(p["completion_verified"] / p["total"], 4) if p["total"] else 0.0
@@ -148,7 +164,7 @@ def aggregate_validations(validations: Mapping[str, Mapping[str, Any]], min_samp
         p["convention"] = convs.pop() if len(convs) == 1 else "mixed"
         p["completion_diff"] = {str(d): n for d, n in sorted(p["completion_diff"].items())}
         p["prompt_diff"] = {str(d): n for d, n in sorted(p["prompt_diff"].items())}
-    bad = counts["mismatch"] + counts["error"]
+    bad = sum(_dataset_bad(v) for v in validations.values())
     providers = dict(sorted(providers.items()))
     return {
         "schema": SCHEMA_VERSION,
@@ -164,8 +180,27 @@ def aggregate_validations(validations: Mapping[str, Mapping[str, Any]], min_samp
     }
 
 
+def _dataset_bad(v: Mapping[str, Any]) -> int:
+    """The dataset's bad samples as its gate counted them (``bad_counts``; version 1: joint verdicts)."""
+    c = v["counts"]
+    side = c.get("completion") if v.get("bad_counts") == "completion" else None
+    src = side if side is not None else c
+    return int(src.get("mismatch", 0)) + int(src.get("error", 0))
+
+
+def _add_sides(agg: dict[str, Any], dataset: str, p: Mapping[str, Any]) -> None:
+    """Sum one dataset's per-side verdicts, admissions and learned prompt/reasoning facts."""
+    agg["completion"].update(p.get("completion") or {})
+    agg["prompt"].update(p.get("prompt") or {})
+    agg["admitted"] += int(p.get("admitted", 0))
+    agg["prompt_variants"][dataset] = p.get("prompt_variant")
+    if p.get("reasoning_count"):
+        agg["reasoning_count"][dataset] = p["reasoning_count"]
+
+
 def _order_provider_keys(p: dict[str, Any]) -> dict[str, Any]:
-    keys = ["total", *VERDICTS, "exact_share", "good_share", "completion_verified", "completion_verified_share",
+    keys = ["total", *VERDICTS, "exact_share", "good_share", "completion", "completion_verified", "completion_verified_share",
+            "prompt", "prompt_exact_share", "prompt_variant", "prompt_variants", "reasoning_count", "admitted",
             "convention", "conventions", "convention_support", "convention_by_finish", "transformations_seen",
             "completion_diff", "prompt_diff", "datasets"]
     return {k: p[k] for k in keys if k in p}
@@ -181,52 +216,65 @@ def provider_slug(name: str) -> str:
     return re.sub(r"\s+", "", name).lower()
 
 
+def _advice_row(name: str, p: Mapping[str, Any]) -> dict[str, Any]:
+    total = int(p.get("total", 0))
+    verified = p.get("completion_verified")
+    if verified is None:  # a version-1 validation.json: exact + repaired is what it proved
+        verified = int(p.get("exact", 0)) + int(p.get("repaired", 0))
+    prompt = p.get("prompt")
+    prompt_exact = int(prompt.get("exact", 0)) if isinstance(prompt, Mapping) else None
+    return {"name": name, "slug": provider_slug(name) if name else "", "total": total,
+            "verified": int(verified), "completion_verified_share": round(int(verified) / total, 4) if total else 0.0,
+            "prompt_exact": prompt_exact,
+            "prompt_exact_share": round(prompt_exact / total, 4) if total and prompt_exact is not None else None,
+            "prompt_variant": p.get("prompt_variant"), "decision": "", "why": ""}
+
+
+def _decide(r: dict[str, Any], min_samples: int, threshold: float) -> None:
+    share = f"{r['verified']}/{r['total']} completions verified ({r['completion_verified_share']:.0%})"
+    prompt = ("" if r["prompt_exact_share"] is None else f", prompts exact {r['prompt_exact_share']:.0%}"
+              + (f" (variant {r['prompt_variant']})" if r.get("prompt_variant") else ""))
+    if not r["name"] or r["name"] == "unknown":
+        r["decision"], r["why"] = "not_routable", "no provider name in the responses"
+    elif r["total"] < min_samples:
+        r["decision"], r["why"] = "too_few_samples", f"{r['total']} samples, fewer than {min_samples}"
+    elif not r["verified"]:
+        r["decision"], r["why"] = "no_verified_completion", f"{share}: never advised"
+    elif r["completion_verified_share"] >= threshold:
+        r["decision"], r["why"] = "order", share + prompt
+    else:
+        r["decision"], r["why"] = "ignore", f"{share}, below {threshold:.0%}" + prompt
+
+
 def routing_advice(providers: Mapping[str, Mapping[str, Any]], min_samples: int = 5,
                    ignore_below: float = 0.5) -> dict[str, Any]:
-    """A ``provider: {order, ignore}`` recommendation from per-provider verdict counts (see module doc)."""
-    rows = []
-    for name, p in providers.items():
-        total = int(p.get("total", 0))
-        good = int(p.get("exact", 0)) + int(p.get("repaired", 0))
-        verified = p.get("completion_verified")
-        rows.append({"name": name, "slug": provider_slug(name) if name else "", "total": total, "good": good,
-                     "good_share": round(good / total, 4) if total else 0.0,
-                     "exact_share": round(int(p.get("exact", 0)) / total, 4) if total else 0.0,
-                     "completion_verified_share": round(int(verified) / total, 4) if total and verified is not None else None,
-                     "decision": ""})
-    # best share first; completion-side agreement breaks ties (a prompt-side difference hits all alike)
-    rows.sort(key=lambda r: (-r["good_share"], -(r["completion_verified_share"] or 0.0), -r["total"], r["name"]))
+    """A ``provider: {order, ignore}`` recommendation from both verdicts (see module doc): ranked by
+    completion-verified share, then prompt-exact share; a provider without one verified completion
+    is never in ``order``; each row says why."""
+    rows = [_advice_row(name, p) for name, p in providers.items()]
+    rows.sort(key=lambda r: (-r["completion_verified_share"], -(r["prompt_exact_share"] or 0.0), -r["total"], r["name"]))
+    for r in rows:
+        _decide(r, min_samples, ignore_below)
     notes = []
-
-    def decide(threshold: float) -> None:
+    decided = [r for r in rows if r["decision"] in ("order", "ignore", "no_verified_completion")]
+    if not any(r["decision"] == "order" for r in rows) and any(r["decision"] == "ignore" for r in rows):
+        # ignoring every provider would fail every request: keep those with any verified completion
         for r in rows:
-            if not r["name"] or r["name"] == "unknown":
-                r["decision"] = "not_routable"
-            elif r["total"] < min_samples:
-                r["decision"] = "too_few_samples"
-            else:
-                r["decision"] = "order" if r["good_share"] >= threshold and r["good"] else "ignore"
-
-    decide(ignore_below)
-    if any(r["decision"] == "ignore" for r in rows) and not any(r["decision"] == "order" for r in rows):
-        # ignoring every provider would fail every request: keep those with any exact/repaired sample
-        decide(1e-9)
-        kept = any(r["decision"] == "order" for r in rows)
-        if not kept:
-            for r in rows:
-                if r["decision"] == "ignore":
-                    r["decision"] = "order"
-        notes.append(f"every provider with at least {min_samples} samples is below {ignore_below:.0%} exact+repaired; "
-                     + ("only those with no exact or repaired sample at all are ignored" if kept else
-                        "none has a single exact or repaired sample, so none is ignored")
-                     + ": read the reasons first (a prompt-side cause such as prompt_count_mismatch may not be the "
-                       "provider's doing)")
+            if r["decision"] == "ignore":
+                r["decision"], r["why"] = "order", r["why"] + "; kept: every provider is below the threshold"
+        notes.append(f"every provider with at least {min_samples} samples is below {ignore_below:.0%} verified "
+                     "completions; those with at least one are kept in order: read the reasons first")
     order = [r["slug"] for r in rows if r["decision"] == "order"]
-    ignore = [r["slug"] for r in rows if r["decision"] == "ignore"]
-    if not order and not ignore:
+    ignore = [r["slug"] for r in rows if r["decision"] in ("ignore", "no_verified_completion")] if order else []
+    if not order and any(r["decision"] == "no_verified_completion" for r in rows):
+        notes.append("no provider has a verified completion: none is advised, none ignored (that would fail every "
+                     "request); read the reasons first")
+    if not decided:
         notes.append(f"no provider has {min_samples} or more samples: no advice")
     return {"min_samples": min_samples, "ignore_below": ignore_below, "order": order, "ignore": ignore,
             "providers": rows, "notes": notes,
+            "rule": "rank by completion-verified share, then prompt-exact share; order: >= min_samples samples, "
+                    "verified share >= ignore_below and at least one verified completion",
             "slug_rule": "the provider's display name, lowercased, spaces dropped"}
 
 
@@ -236,11 +284,11 @@ def routing_advice_yaml(advice: Mapping[str, Any], source: str = "") -> str:
              "# Paste the provider block under `generation:` (or a dataset's `generation:`) of the next run's",
              "# config, indented by two spaces. Slugs are a best effort (display name lowercased, spaces",
              "# dropped): check them against OpenRouter's provider list.",
-             f"# order: >= {advice['min_samples']} samples and exact+repaired share >= {advice['ignore_below']:.0%}, best first;",
-             "# ignore: below that share. Providers with fewer samples are left to OpenRouter's fallbacks."]
+             f"# order: >= {advice['min_samples']} samples and a verified-completion share >= {advice['ignore_below']:.0%},",
+             "# best first (then by prompt-exact share); ignore: below that share or no verified completion.",
+             "# Providers with fewer samples are left to OpenRouter's fallbacks."]
     for r in advice["providers"]:
-        lines.append(f"#   {r['slug'] or '(none)':<20} {r['name']!r}: {r['good']}/{r['total']} exact+repaired "
-                     f"({r['good_share']:.1%}) -> {r['decision']}")
+        lines.append(f"#   {r['slug'] or '(none)':<20} {r['name']!r}: {r['decision']}: {r['why']}")
     for n in advice.get("notes") or []:
         lines += textwrap.wrap(f"NOTE: {n}", 96, initial_indent="# ", subsequent_indent="#   ")
     block = {"provider": {"order": list(advice["order"]), "ignore": list(advice["ignore"])}}
@@ -294,6 +342,7 @@ IMPLICATED: dict[str, tuple[str | None, str]] = {
     "unknown_count_convention": (None, "no single token: the provider's counts follow neither known convention"),
     "reasoning_unexpected": (None, "no token: the reasoning text returned without thinking is not in the ids"),
     "reasoning_count_unreported": (None, "no token: the provider reports 0 reasoning tokens"),
+    "reasoning_count_unchecked": (None, "no token: this provider's reasoning count is not a checksum; the total was checked"),
     "ground_truth_ids": (None, "no token: the serving engine returned these ids itself"),
     "text_path_differs": (None, "no token marked: the engine's ids are used; the text path would have differed"),
     "prompt_path_differs": (None, "no token: the engine's prompt ids differ from our template rendering"),
@@ -767,13 +816,29 @@ def _provider_rows(providers: Mapping[str, Mapping[str, Any]], advice: Mapping[s
             "by_finish": ", ".join(f"{f or 'none'} {c}" for f, c in by_finish.items()
                                    if c != p.get("convention")),
             "verified_share": (verified / total if total else 0.0) if verified is not None else None,
+            "prompt_exact_share": p.get("prompt_exact_share"),
+            "prompt_variant": p.get("prompt_variant"),
+            "reasoning_note": _reasoning_note(p.get("reasoning_count")),
             "transformations": ", ".join(f"{k} {v}" for k, v in (p.get("transformations_seen") or {}).items()),
             "diffs": diffs, "pdiffs": pdiffs,
             "stack": verdict_stack(p, width=100, height=10, labels=False),
             "decision": decisions.get(name, {}).get("decision", ""),
         })
-    rows.sort(key=lambda r: (-r["good_share"], -r["total"], r["name"]))
+    rows.sort(key=lambda r: (-(r["verified_share"] or 0.0), -r["good_share"], -r["total"], r["name"]))
     return rows
+
+
+def _reasoning_note(reasoning: Mapping[str, Any] | None) -> str:
+    """'not a checksum (spread [-6, 9] over 40)' where a provider's reasoning count is learned unreliable."""
+    if not reasoning:
+        return ""
+    entries = reasoning.values() if "checksum" not in reasoning else [reasoning]
+    bad = [e for e in entries if isinstance(e, Mapping) and e.get("checksum") is False]
+    if not bad:
+        return ""
+    spreads = [e.get("spread") or [0, 0] for e in bad]
+    lo, hi = min(x[0] for x in spreads), max(x[1] for x in spreads)
+    return f"reasoning count not a checksum (billed - ours in [{lo}, {hi}] over {sum(e.get('samples', 0) for e in bad)})"
 
 
 def _reason_rows(reasons: Mapping[str, Mapping[str, Any]], link) -> list[dict[str, Any]]:

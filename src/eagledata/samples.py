@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .chat import ChatTemplateError, prompt_ids, request_thinking
+from .chat import ChatTemplateError, prompt_ids, request_thinking, tool_declaration_of
 from .families import ModelFamily
 from .reconstruct import Reconstruction, count_tool_calls, reconstruct_completion, segment_ids
 from .responses import ParsedResponse, ResponseError, parse_response
@@ -72,6 +72,21 @@ def tokenize_record(
         if parsed.provider is None:
             parsed.provider = str(record.get("backend") or "sglang")
     return Sample(sample_id, request, parsed, p_ids, completion, thinking, prompt_error)
+
+
+def alternative_prompt_lengths(sample: Sample, tokenizer: Tokenizer, template: str | None = None) -> dict[str, int]:
+    """Our prompt length under renderings other than the canonical one that providers are known to
+    use: ``json_tools`` (the tools declared as JSON, for a family whose own declaration is not JSON).
+    Measurements for learning a provider's variant; they never replace the canonical prompt ids."""
+    request = sample.request
+    if not request.get("tools") or tool_declaration_of(tokenizer) == "json":
+        return {}
+    try:
+        ids = prompt_ids(tokenizer, request.get("messages") or [], request.get("tools"), thinking=sample.thinking_requested,
+                         template=template, tool_declaration="json")
+    except (ChatTemplateError, TypeError, KeyError, AttributeError):
+        return {}
+    return {"json_tools": len(ids)}
 
 
 def _ground_truth(ids: list[int], text_path: Reconstruction, tokenizer: Tokenizer, family: ModelFamily) -> Reconstruction:

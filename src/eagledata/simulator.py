@@ -446,6 +446,23 @@ def drop_reasoning(msg: ProviderMessage, ctx: QuirkContext) -> None:
     msg.reasoning = None
 
 
+def json_tool_declaration(c: Completion, ctx: QuirkContext) -> Completion:
+    """The provider renders the prompt with the tools declared as JSON (the chat template's fallback)
+    instead of the model's own declaration: the model saw, and the provider bills, that prompt."""
+    tools = ctx.request.get("tools")
+    if not tools or ctx.tokenizer is None:
+        return c
+    ids = prompt_ids(ctx.tokenizer, ctx.request["messages"], tools, thinking=request_thinking(ctx.request),
+                     tool_declaration="json")
+    return replace(c, prompt_ids=ids, quirks=c.quirks + ["prompt:json_tools"])
+
+
+def template_variant_minus_one(c: Completion, ctx: QuirkContext) -> Completion:
+    """The provider's chat template renders one token fewer on every prompt (here: without the
+    first token), with and without tools."""
+    return replace(c, prompt_ids=c.prompt_ids[1:], quirks=c.quirks + ["prompt:-1"])
+
+
 def noncanonical_split(c: Completion, ctx: QuirkContext) -> Completion:
     """The provider's model emitted a NON-CANONICAL BPE split of one word: one token of a content
     (else reasoning) segment is replaced by two tokens whose text is the same. The text is
@@ -497,6 +514,9 @@ class ProviderProfile:
 
     ``counts_end_of_turn``: whether ``usage.completion_tokens`` counts the final end-of-turn id.
     ``reasoning_tokens_include_close``: ``reasoning_tokens`` also counts ``</think>``.
+    ``reasoning_count_noise``: ``(low, high)``: the reported ``reasoning_tokens`` is off by a
+    nonzero amount in that range (never 0 or +1), drawn per request: a count that is not a checksum
+    (the completion total stays exact).
     ``completion_hooks``: quirks of the served MODEL, applied to the token ids (the truth) before
     they are decoded; ``hooks``: quirks of the provider's response building, applied in order to
     the decoded message. Add a quirk by writing a hook and registering a profile with it.
@@ -505,6 +525,7 @@ class ProviderProfile:
     name: str
     counts_end_of_turn: bool = True
     reasoning_tokens_include_close: bool = False
+    reasoning_count_noise: tuple[int, int] | None = None
     provider_name: str = "Simulator"
     json_padding: str = JSON_PADDING
     hooks: tuple[Hook, ...] = ()
@@ -531,8 +552,18 @@ PROFILES: dict[str, ProviderProfile] = {
         replace(_EXACT, name="truncating", completion_hooks=(provider_length_cap,)),
         replace(_EXACT, name="noncanonical", completion_hooks=(noncanonical_split,)),
         _EXACT.with_hooks("no-eot-call-ids", rewrite_tool_ids, counts_end_of_turn=False),
+        replace(_EXACT, name="json-tools", completion_hooks=(json_tool_declaration,)),
+        replace(_EXACT, name="template-minus-one", completion_hooks=(template_variant_minus_one,)),
+        replace(_EXACT, name="unreliable-reasoning", reasoning_count_noise=(-6, 9)),
+        _EXACT.with_hooks("unreliable-reasoning-strip", strip_leading_whitespace, reasoning_count_noise=(-6, 9)),
     ]
 }
+
+
+def _count_noise(bounds: tuple[int, int], key: str) -> int:
+    """A nonzero offset in ``bounds`` other than +1 (an agreeing count), fixed per ``key``."""
+    choices = [d for d in range(bounds[0], bounds[1] + 1) if d not in (0, 1)]
+    return random.Random(key).choice(choices)
 
 
 def get_profile(profile: str | ProviderProfile) -> ProviderProfile:
@@ -900,6 +931,8 @@ class SimulatorServer:
             msg.reasoning_tokens += int(close in completion.ids)
         if completion.stopped and not profile.counts_end_of_turn:
             msg.completion_tokens -= 1
+        if profile.reasoning_count_noise and msg.reasoning_tokens:
+            msg.reasoning_tokens = max(0, msg.reasoning_tokens + _count_noise(profile.reasoning_count_noise, prompt_hash(body)))
         pt, ct = len(completion.prompt_ids), msg.completion_tokens
         p_cost, c_cost = pt * self.price["prompt"] / 1e6, ct * self.price["completion"] / 1e6
         usage = {"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct,

@@ -4,10 +4,14 @@ Each shard holds ``shard_size`` samples (one row per response record, in file or
 ``id``, ``provider``, ``model``, ``finish_reason``, ``status``, ``input_ids`` (prompt + completion,
 int64), ``prompt_len``, ``completion_len``, ``reasoning_len``, ``billed_prompt``,
 ``billed_completion``, ``billed_reasoning``, ``completion_diff`` (ours minus billed under the
-provider's convention), ``prompt_diff``, ``flags`` (reconstruction flags), ``verdict``, ``reasons``,
-``train`` (the dataset's policy admits the sample), ``segments`` and ``tool_id_rewrites`` (JSON),
-``cost``. ``manifest.json`` lists shards with row counts and sha256, the tokenizer fingerprint, the
-learned provider conventions and the policy.
+provider's convention), ``prompt_diff``, ``flags`` (reconstruction flags), ``verdict`` (both sides
+together: a differing prompt makes it ``mismatch``), ``completion_verdict`` (exact | repaired |
+mismatch | error), ``prompt_verdict`` (exact | differs | unbilled | error), ``prompt_variant`` (the
+provider's learned rendering variant explaining a differing prompt, else null), ``reasons``,
+``train`` (the dataset's policy admits the sample, see :mod:`eagledata.policy`), ``segments`` and
+``tool_id_rewrites`` (JSON), ``repair`` (evidence, JSON), ``cost``. ``manifest.json`` lists shards
+with row counts and sha256, the tokenizer fingerprint, the policy and what was learned per
+provider: count conventions, reasoning count reliability and prompt rendering variants.
 
 Two passes keep memory flat: shards are written as samples are reconstructed; verdicts need every
 sample's counts (to learn each provider's convention), so a second pass adds them to each shard.
@@ -25,13 +29,15 @@ from typing import Any, Iterator, Mapping
 
 import polars as pl
 
-from .checks import (COUNT_CODES, POLICIES, REASONS, SampleStats, convention_for, learn_conventions, repairable,
-                     sample_stats, verdict, verdict_of)
+from .checks import (COUNT_CODES, REASONS, SampleStats, completion_verdict, convention_for, learn_conventions,
+                     prompt_verdict, repairable, sample_stats, verdict, verdict_of)
+from .learning import learn_prompt_variants, learn_reasoning_reliability, reasoning_checked, sample_variant
+from .policy import Policy, resolve_policy
 from .repairs import (WHITESPACE_CONTENT, WHITESPACE_REASONING, RepairResult, applicable_transforms,
                       parsed_from_segments, search_repairs)
 from .families import ModelFamily
 from .jsonl import ResponsesFileError, iter_json_lines, normalize_response_line
-from .samples import record_id, tokenize_record
+from .samples import alternative_prompt_lengths, record_id, tokenize_record
 from .tokenizer import Tokenizer
 
 SHARD_NAME = "shard-{:05d}.parquet"
@@ -77,12 +83,12 @@ def build_token_shards(
     family: ModelFamily,
     dataset: str,
     shard_size: int = 1000,
-    policy: str = "exact+repaired",
+    policy: str | Mapping[str, Any] | Policy = "default",
     template: str | None = None,
 ) -> TokenStageResult:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    admitted = POLICIES[policy]
+    admitted = resolve_policy(policy)
     all_stats: list[SampleStats] = []
     rows: list[dict[str, Any]] = []
     shard_files: list[str] = []
@@ -101,6 +107,8 @@ def build_token_shards(
         seen.add(sid)
         sample = tokenize_record(rec, tokenizer, family, sid, template)
         st = sample_stats(sample, tokenizer, family)
+        if st.prompt_diff and st.has_tools:
+            st.prompt_alt = alternative_prompt_lengths(sample, tokenizer, template)
         all_stats.append(st)
         p = sample.parsed
         rows.append({
@@ -119,12 +127,15 @@ def build_token_shards(
         flush()
 
     conventions = learn_conventions(all_stats)
-    judged = _judge(out, shard_files, all_stats, conventions, tokenizer, family)
+    reliability = learn_reasoning_reliability(all_stats, conventions)
+    variants = learn_prompt_variants(all_stats)
+    judged = _judge(out, shard_files, all_stats, conventions, tokenizer, family, reliability)
     shards_meta = []
     i = 0
     for name in shard_files:
         df = pl.read_parquet(out / name)
-        cols: dict[str, list] = {k: [] for k in ("completion_diff", "prompt_diff", "verdict", "reasons", "train", "repair")}
+        cols: dict[str, list] = {k: [] for k in ("completion_diff", "prompt_diff", "verdict", "completion_verdict",
+                                                 "prompt_verdict", "prompt_variant", "reasons", "train", "repair")}
         input_ids = df["input_ids"].to_list()
         segments = df["segments"].to_list()
         completion_len = df["completion_len"].to_list()
@@ -138,9 +149,13 @@ def build_token_shards(
                 completion_len[row], reasoning_len[row] = len(rc.ids), rc.reasoning_tokens
             cols["completion_diff"].append(j.completion_diff)
             cols["prompt_diff"].append(st.prompt_diff)
+            c_verdict, p_verdict = completion_verdict(j.reasons), prompt_verdict(st)
             cols["verdict"].append(j.verdict)
+            cols["completion_verdict"].append(c_verdict)
+            cols["prompt_verdict"].append(p_verdict)
+            cols["prompt_variant"].append(sample_variant(variants, st))
             cols["reasons"].append(j.reasons)
-            cols["train"].append(j.verdict in admitted)
+            cols["train"].append(admitted.admits(c_verdict, p_verdict))
             cols["repair"].append(json.dumps(j.evidence) if j.evidence else None)
             i += 1
         df = df.with_columns(
@@ -151,6 +166,9 @@ def build_token_shards(
             pl.Series("completion_diff", cols["completion_diff"], dtype=pl.Int64),
             pl.Series("prompt_diff", cols["prompt_diff"], dtype=pl.Int64),
             pl.Series("verdict", cols["verdict"], dtype=pl.Utf8),
+            pl.Series("completion_verdict", cols["completion_verdict"], dtype=pl.Utf8),
+            pl.Series("prompt_verdict", cols["prompt_verdict"], dtype=pl.Utf8),
+            pl.Series("prompt_variant", cols["prompt_variant"], dtype=pl.Utf8),
             pl.Series("reasons", cols["reasons"], dtype=pl.List(pl.Utf8)),
             pl.Series("train", cols["train"], dtype=pl.Boolean),
             pl.Series("repair", cols["repair"], dtype=pl.Utf8),
@@ -159,6 +177,10 @@ def build_token_shards(
         shards_meta.append({"file": name, "rows": df.height, "sha256": sha256_file(out / name)})
     for provider, seen in _transformations_seen(all_stats, judged).items():
         conventions[provider]["transformations_seen"] = seen
+    for provider, r in reliability.items():
+        conventions[provider]["reasoning_count"] = r
+    for provider, v in variants.items():
+        conventions[provider]["prompt_rendering"] = v
 
     manifest = {
         "dataset": dataset,
@@ -167,7 +189,8 @@ def build_token_shards(
         "tokenizer": tokenizer.source,
         "tokenizer_fingerprint": tokenizer.fingerprint,
         "family": family.name,
-        "policy": policy,
+        "policy": admitted.name,
+        "policy_sets": admitted.to_dict(),
         "conventions": conventions,
         "rows": len(all_stats),
         "shards": shards_meta,
@@ -225,14 +248,20 @@ def _thinking_of(segments_json: str) -> bool:
 
 
 def _judge(out: Path, shard_files: list[str], stats: list[SampleStats], conventions: dict[str, dict],
-           tokenizer: Tokenizer, family: ModelFamily) -> list[Judgement]:
+           tokenizer: Tokenizer, family: ModelFamily, reliability: Mapping[str, Mapping] | None = None) -> list[Judgement]:
     """Verdicts for every sample. Count mismatches get a repair search; a provider proven to strip
     leading spaces (a unique whitespace repair somewhere in the dataset) makes its exact samples
-    that would also match with a space restored ambiguous."""
+    that would also match with a space restored ambiguous. A provider whose reasoning count is not a
+    checksum (``reliability``) is judged, and its repairs searched, on the completion total alone."""
+    reliability = reliability or {}
+
+    def billed_reasoning(st: SampleStats) -> int | None:
+        return st.billed_reasoning if reasoning_checked(reliability, st.provider) else None
+
     judged: list[Judgement] = []
     for st in stats:
         conv = convention_for(conventions, st.provider, st.finish_reason)
-        v, reasons = verdict(st, conv)
+        v, reasons = verdict(st, conv, reasoning_checked(reliability, st.provider))
         judged.append(Judgement(v, reasons, st.completion_diff(conv if conv != "unknown" else "counts_eot")))
     need_repair = {i for i, j in enumerate(judged) if repairable(j.reasons)}
     # Round 1: which transformations does each provider apply? Evidence = a sample that exactly one
@@ -247,17 +276,18 @@ def _judge(out: Path, shard_files: list[str], stats: list[SampleStats], conventi
         parsed, thinking = _row_parsed(segs, finish), _thinking_of(segs)
         candidates[i] = (parsed, thinking)
         singles = [t for t in applicable_transforms(parsed)
-                   if search_repairs(parsed, tokenizer, family, st.billed_completion, st.billed_reasoning, conv,
+                   if search_repairs(parsed, tokenizer, family, st.billed_completion, billed_reasoning(st), conv,
                                      thinking, only=(t,)).status == "unique"]
-        if len(singles) == 1:  # stripping is one behaviour: it may hit reasoning and content alike
-            learned.setdefault(st.provider, set()).update(_transform_family(singles[0]))
+        behaviours = {_transform_family(t) for t in singles}
+        if len(behaviours) == 1:  # stripping is one behaviour: it may hit reasoning and content alike
+            learned.setdefault(st.provider, set()).update(behaviours.pop())
     # Round 2: each sample's candidates are the combinations of its provider's known transformations.
     for i, (parsed, thinking) in candidates.items():
         st = stats[i]
         known = tuple(sorted(learned.get(st.provider, ())))
         if not known:
             continue
-        res = search_repairs(parsed, tokenizer, family, st.billed_completion, st.billed_reasoning,
+        res = search_repairs(parsed, tokenizer, family, st.billed_completion, billed_reasoning(st),
                              convention_for(conventions, st.provider, st.finish_reason), thinking, only=known)
         j = judged[i]
         j.repair = res
@@ -276,7 +306,7 @@ def _judge(out: Path, shard_files: list[str], stats: list[SampleStats], conventi
             if i not in need_ws_check:
                 continue
             st = stats[i]
-            res = search_repairs(_row_parsed(segs, finish), tokenizer, family, st.billed_completion, st.billed_reasoning,
+            res = search_repairs(_row_parsed(segs, finish), tokenizer, family, st.billed_completion, billed_reasoning(st),
                                  convention_for(conventions, st.provider, st.finish_reason), _thinking_of(segs),
                                  only=(WHITESPACE_REASONING, WHITESPACE_CONTENT))
             if res.status in ("unique", "ambiguous"):
