@@ -2,6 +2,8 @@
 # Targets: `all` (every dataset), or one rule per dataset named after it (`snakemake --cores 8 B3`).
 from snakemake.utils import min_version, validate
 
+from eagledata.config import validate_workflow_config
+
 min_version("9.0")
 
 
@@ -12,7 +14,9 @@ if not config:
     configfile: "config/config.yaml"
 
 
-
+# Ours first: every object of the schema is closed, and this names the config file, the key path and
+# the nearest known key (Snakemake's validate names neither); then Snakemake's, same schema.
+validate_workflow_config(config, workflow.configfiles)
 validate(config, "config/schema.yaml")
 
 

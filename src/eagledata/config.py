@@ -1,13 +1,22 @@
 """Configuration: schema validation with defaults, and resolved per-dataset settings.
 
 The same schema (``config/schema.yaml``, also shipped in the package) is applied by the Snakefile
-(``validate(config, schema)``) and by :func:`load_config` for library and CLI use, so both see the
-same defaults. :func:`dataset_settings` merges a dataset's ``generation`` block over the global one.
+(:func:`validate_workflow_config` first, then Snakemake's ``validate(config, schema)``) and by
+:func:`load_config` for library and CLI use, so both see the same defaults and the same errors.
+:func:`dataset_settings` merges a dataset's ``generation`` block over the global one.
+
+Every object of the schema is closed: an unknown key anywhere is refused with the file, the key
+path and the nearest known key (``config.yaml: datasets.B3.max_tokenz: unknown key; did you mean
+`max_tokens`? ...``), found among the keys allowed there, then among those one level below a
+sibling or one level up. Dataset names become directory names (results, logs, cache) and target
+rules, so they must match :data:`DATASET_NAME_PATTERN`.
 """
 
 from __future__ import annotations
 
 import copy
+import difflib
+import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -43,17 +52,134 @@ def _fill_defaults(node: Any, sch: Mapping[str, Any]) -> Any:
     return node
 
 
+#: Allowed dataset names: letters, digits, ``.``, ``_`` and ``-``, not starting with ``.``.
+DATASET_NAME_PATTERN = r"^[A-Za-z0-9_-][A-Za-z0-9._-]*$"
+DATASET_NAME_RULE = ("a dataset name may use only letters, digits, '.', '_' and '-' and may not start with '.' "
+                     f"(pattern {DATASET_NAME_PATTERN}): it becomes a directory name under results/, logs/ and "
+                     "the cache, and a target rule")
+
+
+def _key_path(parts: Any) -> str:
+    return ".".join(str(p) for p in parts)
+
+
+def _resolve(sch: Any, root: Mapping[str, Any]) -> Any:
+    """``sch`` with a local ``$ref`` (``#/...``) followed."""
+    seen = 0
+    while isinstance(sch, Mapping) and isinstance(sch.get("$ref"), str) and sch["$ref"].startswith("#/") and seen < 16:
+        target: Any = root
+        for part in sch["$ref"][2:].split("/"):
+            target = target[part]
+        sch, seen = target, seen + 1
+    return sch
+
+
+def _properties(sch: Any, root: Mapping[str, Any]) -> dict[str, Any]:
+    """The named properties an object schema allows (through ``$ref``, ``allOf``, ``anyOf``, ``oneOf``)."""
+    sch = _resolve(sch, root)
+    if not isinstance(sch, Mapping):
+        return {}
+    out: dict[str, Any] = {}
+    for key in ("allOf", "anyOf", "oneOf"):
+        for sub in sch.get(key) or []:
+            for name, value in _properties(sub, root).items():
+                out.setdefault(name, value)
+    for name, value in (sch.get("properties") or {}).items():
+        # the more specific definition (with a type) wins over a defaults-only entry
+        if name not in out or (isinstance(value, Mapping) and set(value) - {"default", "description"}):
+            out[name] = value
+    return out
+
+
+def _schema_at(root: Mapping[str, Any], path: list[Any]) -> Any:
+    """The schema that applies at ``path`` of a config (``None`` where the schema says nothing)."""
+    sch: Any = root
+    for part in path:
+        props = _properties(sch, root)
+        if part in props:
+            sch = props[part]
+            continue
+        addl = _resolve(sch, root).get("additionalProperties") if isinstance(_resolve(sch, root), Mapping) else None
+        if isinstance(addl, Mapping):
+            sch = addl
+            continue
+        return None
+    return sch
+
+
+def _suggestion(root: Mapping[str, Any], parent: list[Any], key: str) -> str:
+    """A "did you mean" for unknown ``key`` under ``parent``: a key allowed there, else one a level
+    below a sibling or a level up (the key written in the wrong block)."""
+    here = _properties(_schema_at(root, parent), root)
+    close = difflib.get_close_matches(key, list(here), n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean `{close[0]}`?"
+    where: dict[str, list[Any]] = {}
+    for name, sub in here.items():
+        for child in _properties(sub, root):
+            where.setdefault(child, parent + [name])
+    if parent:
+        for name in _properties(_schema_at(root, parent[:-1]), root):
+            where.setdefault(name, parent[:-1])
+    close = difflib.get_close_matches(key, list(where), n=1, cutoff=0.6)
+    if close:
+        at = where[close[0]]
+        full = _key_path(at + [close[0]])
+        return f"; did you mean `{close[0]}`? It belongs under `{_key_path(at) or '(top level)'}`: write `{full}`"
+    return ""
+
+
+def _unknown_keys(error: Any) -> list[tuple[list[Any], str, list[str]]]:
+    """(parent path, unknown key, allowed keys) of every unknown key behind a schema error (also
+    inside ``oneOf``/``anyOf`` branches, where the object branch is the one that names them)."""
+    out: list[tuple[list[Any], str, list[str]]] = []
+    if error.validator == "additionalProperties" and isinstance(error.instance, Mapping):
+        allowed = list(error.schema.get("properties") or {})
+        patterns = list(error.schema.get("patternProperties") or {})
+        for key in error.instance:
+            if key not in allowed and not any(re.search(p, str(key)) for p in patterns):
+                out.append((list(error.absolute_path), key, allowed))
+    for sub in error.context or []:
+        if isinstance(sub.instance, Mapping) and sub.validator == "additionalProperties":
+            out.extend(_unknown_keys(sub))
+    return out
+
+
+def _check_dataset_names(config: Mapping[str, Any], source: str) -> None:
+    datasets = config.get("datasets")
+    if not isinstance(datasets, Mapping):
+        return
+    for name in datasets:
+        if not isinstance(name, str):  # YAML reads `2024:` as a number
+            raise ConfigError(f"{source}: datasets.{name}: a dataset name must be a string; quote it (\"{name}\":)")
+        if not re.fullmatch(DATASET_NAME_PATTERN, name):
+            raise ConfigError(f"{source}: datasets.\"{name}\": dataset name {str(name)!r} is not allowed: {DATASET_NAME_RULE}")
+
+
 def validate_config(config: dict, source: str = "config") -> dict:
     """Validate against the schema, fill every default, and check cross references.
-    Raises :class:`ConfigError` naming the key path."""
+
+    Raises :class:`ConfigError` naming ``source`` (the file), the key path and, for an unknown
+    key, the nearest known one (every unknown key is listed, one per line)."""
     import jsonschema
 
+    if not isinstance(config, dict):
+        raise ConfigError(f"{source}: the config must be a mapping of keys, got {type(config).__name__}")
+    _check_dataset_names(config, source)
     sch = schema()
     validator = jsonschema.Draft202012Validator(sch)
-    errors = sorted(validator.iter_errors(config), key=lambda e: list(e.path))
+    errors = sorted(validator.iter_errors(config), key=lambda e: [str(p) for p in e.absolute_path])
+    unknown = []
+    for e in errors:
+        for parent, key, _allowed in _unknown_keys(e):
+            line = f"{source}: {_key_path(parent + [key])}: unknown key{_suggestion(sch, parent, str(key))}"
+            if line not in unknown:
+                unknown.append(line)
+    if unknown:
+        raise ConfigError("\n".join(unknown))
     if errors:
         e = errors[0]
-        where = ".".join(str(p) for p in e.path) or "(top level)"
+        where = _key_path(e.absolute_path) or "(top level)"
         raise ConfigError(f"{source}: {where}: {e.message}")
     config = _fill_defaults(config, sch)
     for name, ds in config["datasets"].items():
@@ -66,6 +192,18 @@ def validate_config(config: dict, source: str = "config") -> dict:
         except KeyError as exc:
             raise ConfigError(f"{source}: models.{name}.family: {exc.args[0]}") from None
     return config
+
+
+def config_source(configfiles: Any) -> str:
+    """How to name the config in messages: its file(s), or ``config`` (given on the command line)."""
+    names = [str(f) for f in (configfiles or [])]
+    return ", ".join(names) if names else "config"
+
+
+def validate_workflow_config(config: dict, configfiles: Any = None) -> dict:
+    """The Snakefile's check, before Snakemake's own ``validate`` (whose message names neither the
+    file nor the nearest key): :func:`validate_config` with the config file(s) named."""
+    return validate_config(config, config_source(configfiles))
 
 
 def load_config(path: str | Path) -> dict:

@@ -34,6 +34,11 @@ with a summary (``generation_summary.json``) beside it. One job at a time writes
 A failed cache or ledger write (a full disk) stops new requests and loses no answer received: see
 :class:`ResponseCache`, :func:`keep_paid_answers` and :mod:`eagledata.rescue`.
 
+Preflight. Before the first request (and before the ledger is opened), :mod:`eagledata.preflight`
+checks what a later stage would otherwise find only after paying: the tokenizer is found and passes
+its self-check, every prompt to request renders with the chat template, the extraction weights
+exist (extraction enabled), and the cache disk has room for the answers at ``max_tokens``.
+
 SGLang (``backend: sglang``, ``generation.api_base`` = the server root). ``sglang_endpoint: chat``
 (default) sends SGLang's OpenAI-compatible ``/v1/chat/completions`` with ``return_token_ids`` (never
 streamed: SGLang returns ids only for non-streamed chat); ``generate`` sends the native
@@ -1348,10 +1353,10 @@ async def _generate_locked(config: Mapping[str, Any], dataset: str, output_path:
     headers = _auth_headers(s.backend, dataset)
     tokenizer = None
     native = s.backend == "sglang" and g.get("sglang_endpoint") == "generate"
-    if s.backend == "simulator" or native:
-        from .plan import cached_model_tokenizer
+    if s.backend == "simulator" or native:  # the requests themselves need it (cache keys, prompt ids)
+        from .preflight import checked_tokenizer
 
-        tokenizer = cached_model_tokenizer(config, s.model_name)
+        tokenizer = checked_tokenizer(config, s)  # found and self-checked, or a PreflightError naming the path
     work = dataset_work(config, dataset, tokenizer)
     items = work.items
     held.append(await take_cache_lock(config, dataset, log))
@@ -1367,6 +1372,12 @@ async def _generate_locked(config: Mapping[str, Any], dataset: str, output_path:
     n_cached = sum(1 for it in items if it.cache_key in index)
     log(f"generate {dataset}: {len(work.prompts)} prompts, {len(items)} samples; {n_cached} cached in {cache.path}, "
         f"{len(todo)} to request ({s.backend}, model {s.api_model})")
+    if todo:  # before the ledger is opened and the first request is sent (eagledata.preflight)
+        from .preflight import preflight
+
+        checked = preflight(config, s, work.prompts, todo.values(), cache.path, output_path, tokenizer)
+        tokenizer = checked.tokenizer
+        log(checked.summary(dataset))
 
     ledger = BudgetLedger(ledger_path(config["cache_dir"]))
     server = None
@@ -1611,4 +1622,8 @@ def import_responses(source: str | Path, dataset: str, output_path: str | Path, 
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run the importable module's main, so errors raised by other modules (eagledata.preflight's,
+    # subclasses of eagledata.generate.GenerationError) are the classes main catches, not __main__'s
+    from eagledata.generate import main as _main
+
+    sys.exit(_main())

@@ -2,7 +2,7 @@
 
 Every JSONL input of the pipeline (prompts, responses, imported recordings) goes through
 :func:`iter_json_lines`, so a bad line always fails the same way: ``FILE:LINE:(json): invalid JSON
-...``, ``FILE:LINE:(line): not valid UTF-8 ...`` or ``FILE:LINE: a line must be a JSON object``.
+... at column N`` (the 1-based character column of the error in that line), ``FILE:LINE:(line): not valid UTF-8 ...`` or ``FILE:LINE: a line must be a JSON object``.
 """
 
 from __future__ import annotations
@@ -36,13 +36,24 @@ def iter_json_lines(path: str | Path, error: type[Exception], what: str = "file"
                 raise error(f"{where}:(line): not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
             if not line.strip():
                 continue
+            text = line.rstrip("\r\n")
             try:
-                value = json.loads(line)
+                value = json.loads(text)
             except json.JSONDecodeError as exc:
-                raise error(f"{where}:(json): invalid JSON: {exc.msg} at column {exc.colno}") from None
+                raise error(f"{where}:(json): invalid JSON: {exc.msg} at {error_column(text, exc.pos)}") from None
             if objects_only and not isinstance(value, dict):
                 raise error(f"{where}: a line must be a JSON object, got {type(value).__name__}")
             yield lineno, where, value
+
+
+def error_column(text: str, pos: int) -> str:
+    """Where a JSON error at character offset ``pos`` of one line is: the 1-based character column
+    (as an editor counts it) and the text around it. The line is decoded without its line ending,
+    so an error at the end of the line is reported there, not as "line 2, column 1"."""
+    pos = max(0, min(pos, len(text)))
+    near = text[max(0, pos - 20): pos + 20]
+    where = "end of line" if pos == len(text) else f"near {near!r}"
+    return f"column {pos + 1} ({where})"
 
 
 def normalize_response_line(rec: dict[str, Any]) -> dict[str, Any]:

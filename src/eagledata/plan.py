@@ -11,6 +11,9 @@ for byte-level BPE vocabularies).
 cached, how many would be requested, and the cost range of those: low (prompt + one completion
 token each), expected (prompt + the mean completion length of the dataset's cached responses, when
 there are any) and worst case (the budget reservation); plus the ledger's spend and the budget left.
+It also runs the cheap part of the generate job's preflight (:func:`eagledata.preflight.tokenizer_problem`:
+the tokenizer directory is found and holds tokenizer files) and exits 1, naming the path, where it
+fails; a config error (unknown key, bad dataset name) stops it with the message, exit 2.
 """
 
 from __future__ import annotations
@@ -134,9 +137,15 @@ def plan_dataset(config: Mapping[str, Any], name: str, estimator: PromptEstimato
     try:
         work = dataset_work(config, name, tokenizer=estimator.tokenizer)
     except Exception as exc:  # noqa: BLE001 - e.g. the simulator's tokenizer is not built yet
+        from .preflight import tokenizer_problem, workflow_built
+
+        why = f"{type(exc).__name__}: {str(exc)[:120]}"
+        if tokenizer_problem(s.model, s.model_name):  # say so, not what a hub lookup of the path said
+            why = (f"tokenizer {s.model['tokenizer']} is built by the workflow and not built yet"
+                   if workflow_built(s.model["tokenizer"], config) else tokenizer_problem(s.model, s.model_name))
         return {"dataset": name, "backend": s.backend, "samples": None, "cached": None, "to_request": 0,
                 "cost_low": 0.0, "cost_expected": None, "cost_worst": 0.0,
-                "note": f"cannot compute the requests yet ({type(exc).__name__}: {str(exc)[:120]})"}
+                "note": f"cannot compute the requests yet ({why})"}
     cache = ResponseCache(Path(config["cache_dir"]) / name / "responses.jsonl")
     index = cache.load()
     todo = {it.cache_key: it for it in work.items if it.cache_key not in index}
@@ -162,8 +171,15 @@ def plan_dataset(config: Mapping[str, Any], name: str, estimator: PromptEstimato
 def plan(config: Mapping[str, Any], datasets: list[str] | None = None) -> dict[str, Any]:
     from .budget import BudgetLedger, ledger_path
 
+    from .preflight import tokenizer_problem, workflow_built
+
     names = datasets or list(config["datasets"])
     rows = [plan_dataset(config, n) for n in names]
+    for row in rows:
+        model_name = config["datasets"][row["dataset"]]["model"]
+        model = config["models"][model_name]
+        built = workflow_built(model["tokenizer"], config) and not Path(model["tokenizer"]).exists()
+        row["preflight"] = None if built else tokenizer_problem(model, model_name)
     path = ledger_path(config["cache_dir"])
     spent = held = 0.0
     if path.exists():
@@ -203,6 +219,9 @@ def format_plan(p: Mapping[str, Any]) -> str:
             lines.append("note: the worst case exceeds what is left; generation stops starting requests at the budget "
                          "(completed responses stay cached)")
     for r in p["datasets"]:
+        if r.get("preflight"):
+            lines.append(f"error: {r['dataset']}: {r['preflight']} (generation would stop before its first request)")
+    for r in p["datasets"]:
         if r.get("price_per_mtok") and r["price_per_mtok"]["prompt"] == 0 and r["price_per_mtok"]["completion"] == 0 \
                 and r["backend"] == "openrouter":
             lines.append(f"warning: {r['dataset']}: price_per_mtok is 0, so costs are estimated as $0 and the budget "
@@ -214,13 +233,17 @@ def cmd_plan(args: Any) -> int:
     """``eagledata plan [DATASET...]``: see the module docstring."""
     import sys
 
-    from .config import load_config
+    from .config import ConfigError, load_config
 
-    config = load_config(args.config)
+    try:
+        config = load_config(args.config)
+    except (ConfigError, OSError) as exc:
+        print(f"eagledata plan: {exc}", file=sys.stderr)
+        return 2
     unknown = [d for d in args.datasets if d not in config["datasets"]]
     if unknown:
         print(f"eagledata plan: unknown dataset(s) {unknown}; defined: {sorted(config['datasets'])}", file=sys.stderr)
         return 2
     p = plan(config, args.datasets or None)
     print(json.dumps(p, indent=1) if args.json else format_plan(p))
-    return 0
+    return 1 if any(r.get("preflight") for r in p["datasets"]) else 0
