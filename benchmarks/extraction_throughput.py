@@ -2,7 +2,7 @@
 
 In one run, on the same model and the same batches (plan_batches over the same token shards):
   bare:     the base model's forward alone (no hooks, no copies, no files)
-  extract:  eagledata.extract.extract_dataset end to end (parquet read, hooked forward, casts,
+  extract:  eagledata.extract.core.extract_dataset end to end (parquet read, hooked forward, casts,
             background shard writes, sha256 of every output shard, index.parquet, manifest)
 The two are interleaved batch by batch (each batch's bare forward runs inside the extraction
 run, right before or after its extraction forward, alternating; extraction time = wall time of
@@ -56,7 +56,7 @@ class PairedBackend:
     batch (timed into ``bare_s``), alternately before and after the extraction forward."""
 
     def __new__(cls, inner):
-        from eagledata import extract as ex
+        from eagledata.extract import core as ex
 
         class _Paired(ex.ExtractionBackend):
             name = inner.name
@@ -117,8 +117,8 @@ def main() -> None:
 
     import torch
 
-    from eagledata import extract as ex
-    from eagledata.demo_model import build_demo_model
+    from eagledata.extract import core as ex
+    from eagledata.demo.model import build_demo_model
 
     torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="eagledata-bench-"))

@@ -1,6 +1,6 @@
 """Generation client throughput against the stand-in, as ratios measured in one run.
 
-The stand-in (``python -m eagledata.simulator``) runs in a SEPARATE process with a fixed latency per
+The stand-in (``python -m eagledata.standin.server``) runs in a SEPARATE process with a fixed latency per
 request (default 50 ms); the generation job (the same code as the ``generate`` rule, with the budget
 ledger, the response cache and progress) runs here with ``concurrency`` workers (default 256). Printed:
 
@@ -37,7 +37,7 @@ def _tokenizer_dir(tmp: Path) -> Path:
     shared = Path(os.environ.get("EAGLEDATA_SHARED", ROOT.parent / "shared")) / "tokenizers" / "kimi-k2.5"
     if shared.exists():
         return shared
-    from eagledata.demo_tokenizer import build_demo_tokenizer, default_corpus_path
+    from eagledata.demo.tokenizer import build_demo_tokenizer, default_corpus_path
 
     out = tmp / "demo-tokenizer"
     build_demo_tokenizer(default_corpus_path(), out)
@@ -55,7 +55,7 @@ def one_round(args: argparse.Namespace, tok: Path, base: str, tmp: Path, stand_i
     """One generation job against the running stand-in, in a fresh cache; its measurements."""
     import psutil
 
-    from eagledata.generate import generate_dataset
+    from eagledata.generate.job import generate_dataset
 
     tmp.mkdir(parents=True, exist_ok=True)
     prompts = tmp / "prompts.jsonl"
@@ -92,7 +92,7 @@ def bare_round(args: argparse.Namespace, base: str) -> dict:
     import asyncio
 
     from eagledata.eventloop import run as run_event_loop
-    from eagledata.httpclient import Connection, Endpoint, RequestHead
+    from eagledata.generate.httpclient import Connection, Endpoint, RequestHead
 
     ep = Endpoint.parse(base + "/chat/completions")
     head = RequestHead("POST", ep, {"Authorization": "Bearer x", "Content-Type": "application/json"})
@@ -140,7 +140,7 @@ def main() -> int:
         tmp = Path(d)
         tok = _tokenizer_dir(tmp)
         port_file = tmp / "port"
-        server = subprocess.Popen([sys.executable, "-m", "eagledata.simulator", "--tokenizer", str(tok), "--family", "kimi-k2.5",
+        server = subprocess.Popen([sys.executable, "-m", "eagledata.standin.server", "--tokenizer", str(tok), "--family", "kimi-k2.5",
                                    "--latency-ms", str(args.latency_ms), "--port-file", str(port_file),
                                    "--content-tokens", "8", "24", "--reasoning-tokens", "8", "24"],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -19,10 +19,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from eagledata.families import get_family
-from eagledata.reconstruct import reconstruct_completion
-from eagledata.responses import parse_response
-from eagledata.tokenizer import load_tokenizer
+from eagledata.text.families import get_family
+from eagledata.tokens.reconstruct import reconstruct_completion
+from eagledata.tokens.responses import parse_response
+from eagledata.text.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,7 +31,7 @@ def _tokenizer(arg: str | None):
     fam = get_family("kimi-k2.5")
     path = Path(arg) if arg else ROOT.parent / "shared" / "tokenizers" / "kimi-k2.5"
     if not path.exists():
-        from eagledata.demo_tokenizer import build_demo_tokenizer, default_corpus_path
+        from eagledata.demo.tokenizer import build_demo_tokenizer, default_corpus_path
 
         path = Path(tempfile.mkdtemp()) / "demo-tokenizer"
         build_demo_tokenizer(default_corpus_path(), path)

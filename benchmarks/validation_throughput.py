@@ -17,13 +17,13 @@ import sys
 import time
 from pathlib import Path
 
-from eagledata.checks import (SampleStats, completion_verdict, convention_for, learn_conventions, prompt_verdict,
+from eagledata.tokens.checks import (SampleStats, completion_verdict, convention_for, learn_conventions, prompt_verdict,
                               structural_codes, verdict)
-from eagledata.learning import learn_prompt_variants, learn_reasoning_reliability, reasoning_checked
-from eagledata.policy import resolve_policy
-from eagledata.reconstruct import reconstruct_completion
-from eagledata.responses import parse_response
-from eagledata.samples import Sample
+from eagledata.tokens.learning import learn_prompt_variants, learn_reasoning_reliability, reasoning_checked
+from eagledata.tokens.policy import resolve_policy
+from eagledata.tokens.reconstruct import reconstruct_completion
+from eagledata.tokens.responses import parse_response
+from eagledata.tokens.samples import Sample
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reconstruction_throughput import _tokenizer  # noqa: E402

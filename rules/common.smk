@@ -2,7 +2,9 @@
 import re
 from pathlib import Path
 
+from eagledata.codeinputs import package_dir_for, stage_code
 from eagledata.config import dataset_settings, validate_config
+from eagledata.generate.job import GenerateRuleInputs
 
 validate_config(config, "config")  # same defaults and cross-checks as the library
 
@@ -12,9 +14,21 @@ IMPORTED_DATASETS = [d for d in DATASETS if config["datasets"][d].get("responses
 GENERATED_DATASETS = [d for d in DATASETS if d not in IMPORTED_DATASETS]
 TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "pattern.txt", "chat_template.jinja",
                    "tokenizer.json", "special_tokens_map.json", "tokenizer.model")
-# Library modules whose change must rebuild the derived (free) stages. Never generation.
-RECONSTRUCTION_CODE = [f"src/eagledata/{m}.py" for m in
-                       ("tokenizer", "families", "chat", "responses", "reconstruct", "samples", "checks", "tokens")]
+# Code inputs: every project module a rule's script imports (transitively, eagledata.codeinputs),
+# plus data files it reads. Editing any of them reruns that rule and what follows; generation
+# declares none, so no code change ever re-sends a paid request.
+WORKFLOW_DIR = Path(workflow.main_snakefile).resolve().parent
+PACKAGE_DIR = package_dir_for(WORKFLOW_DIR)
+
+
+def code_of(script, *data):
+    """Module files ``script`` (relative to the Snakefile) imports, then ``data`` files of the package."""
+    files = stage_code(WORKFLOW_DIR / script, PACKAGE_DIR, Path.cwd())
+    cwd = Path.cwd().resolve()
+    for name in data:
+        path = (PACKAGE_DIR / "data" / name).resolve()
+        files.append(str(path.relative_to(cwd)) if cwd in path.parents else str(path))
+    return files
 
 
 def regex_of(names):
@@ -100,3 +114,17 @@ def export_targets(name):
 
 def export_all_targets():
     return [t for name in DATASETS for t in export_targets(name)]
+
+
+generate_inputs = GenerateRuleInputs(config, tokenizer_input)
+
+
+def generate_tokenizer(wildcards):
+    """Where the tokenizer shapes the responses (stand-in, SGLang's native endpoint), its files: a
+    change reruns. Elsewhere it only has to exist for the preflight: ``ancient``, so a rebuilt
+    tokenizer (e.g. the demo's, after a code change) never re-sends a paid request."""
+    shaped = generate_inputs.tokenizer(wildcards)
+    if shaped:
+        return shaped
+    files = tokenizer_input(wildcards)
+    return [ancient(f) for f in ([files] if isinstance(files, str) else files)]

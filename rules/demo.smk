@@ -1,11 +1,11 @@
 # The embedded demo's tokenizer: a small byte-level BPE in Kimi K2.5's layout, trained on the
-# bundled corpus (eagledata.demo_tokenizer). The module is an input so a change to it rebuilds.
+# bundled corpus (eagledata.demo.tokenizer). The module is an input so a change to it rebuilds.
 
 
 rule demo_tokenizer:
     input:
         corpus="src/eagledata/data/corpus.txt",
-        code="src/eagledata/demo_tokenizer.py",
+        code=code_of("scripts/build_demo_tokenizer.py"),
     output:
         directory(f"{RESULTS}/_assets/demo-tokenizer"),
     log:

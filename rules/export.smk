@@ -1,4 +1,4 @@
-# Exports of the hidden states into trainers' own layouts (eagledata.export):
+# Exports of the hidden states into trainers' own layouts (eagledata.export.trainers):
 #   results/{dataset}/export/specforge    SpecForge offline: rows_{g}-{g_end}/data_{i}.ckpt (needs final_norm: after)
 #   results/{dataset}/export/speculators  vLLM speculators: hidden_states/hs_{i}.safetensors (needs final_norm: before)
 # Enabled per trainer with export.specforge (default true) / export.speculators (default false).
@@ -7,7 +7,7 @@
 rule export:
     input:
         hidden=f"{RESULTS}/{{dataset}}/hidden",
-        code="src/eagledata/export.py",
+        code=code_of("scripts/export.py"),
     output:
         directory(f"{RESULTS}/{{dataset}}/export/{{kind}}"),
     wildcard_constraints:

@@ -6,7 +6,7 @@
 rule demo_model:
     input:
         tokenizer=f"{RESULTS}/_assets/demo-tokenizer",
-        code="src/eagledata/demo_model.py",
+        code=code_of("scripts/build_demo_model.py"),
     output:
         directory(f"{RESULTS}/_assets/demo-model"),
     params:
@@ -24,7 +24,7 @@ rule extract:
         tokens=f"{RESULTS}/{{dataset}}/tokens",
         validation=f"{RESULTS}/{{dataset}}/validation.json",  # validation gates extraction
         weights=weights_input,
-        code=["src/eagledata/extract.py", "src/eagledata/gpus.py", "src/eagledata/sglang_runner.py"],
+        code=code_of("scripts/extract.py"),
     output:
         directory(f"{RESULTS}/{{dataset}}/hidden"),
     params:

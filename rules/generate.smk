@@ -2,17 +2,13 @@
 # Paid responses live in the resumable cache {cache_dir}/{dataset}/responses.jsonl, which is NOT an
 # output: a failed or killed job keeps them, and a rerun requests only what is missing. Parallel
 # generate jobs share the budget ledger {cache_dir}/budget.sqlite (not an output either). The input
-# and params functions are methods of eagledata.generate.GenerateRuleInputs (bound to config).
-from eagledata.generate import GenerateRuleInputs
-
-generate_inputs = GenerateRuleInputs(config, tokenizer_input)
-
-
+# and params functions are methods of eagledata.generate.job.GenerateRuleInputs (bound to config in
+# rules/common.smk as generate_inputs) and generate_tokenizer (rules/common.smk).
 rule generate:
     """Send every prompt (x samples) to the dataset's backend; exact bodies, resumable cache."""
     input:
         prompts=generate_inputs.prompts,
-        tokenizer=generate_inputs.tokenizer,
+        tokenizer=generate_tokenizer,
     output:
         responses=f"{RESULTS}/{{dataset}}/responses.jsonl",
         summary=f"{RESULTS}/{{dataset}}/generation_summary.json",

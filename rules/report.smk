@@ -1,12 +1,12 @@
-# Reports a person reads (eagledata.report): one HTML per dataset (the worst samples decoded token by
+# Reports a person reads (eagledata.report.build): one HTML per dataset (the worst samples decoded token by
 # token with the implicated tokens highlighted), one for the whole run, the run-wide validation.json
 # and routing advice. Self-contained HTML; all of it is embedded by `snakemake --report report.zip`.
 # Needs from rules/common.smk: RESULTS, DATASETS, tokenizer_input. Settings: config key `report`
-# (eagledata.report.REPORT_DEFAULTS).
-from eagledata.report import report_settings
+# (eagledata.report.build.REPORT_DEFAULTS).
+from eagledata.report.build import report_settings
 
 REPORT_SETTINGS = report_settings(config)
-REPORT_CODE = ["src/eagledata/report.py", "src/eagledata/data/templates/report.html.jinja"]
+REPORT_CODE = code_of("scripts/report.py", "templates/report.html.jinja")
 
 
 rule report_dataset:

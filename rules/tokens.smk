@@ -3,7 +3,7 @@ rule tokens:
     input:
         responses=f"{RESULTS}/{{dataset}}/responses.jsonl",
         tokenizer=tokenizer_input,
-        code=RECONSTRUCTION_CODE,
+        code=code_of("scripts/tokens.py"),
     output:
         directory(f"{RESULTS}/{{dataset}}/tokens"),
     params:

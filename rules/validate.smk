@@ -2,7 +2,7 @@ rule validate:
     """Per-dataset validation.json and summary; fails (blocking extraction) above the bad-sample limit."""
     input:
         tokens=f"{RESULTS}/{{dataset}}/tokens",
-        code="src/eagledata/validate.py",
+        code=code_of("scripts/validate.py"),
     output:
         json=report(f"{RESULTS}/{{dataset}}/validation.json", category="Validation", labels={"dataset": "{dataset}", "file": "validation.json"}),
         summary=report(f"{RESULTS}/{{dataset}}/validation.txt", category="Validation", labels={"dataset": "{dataset}", "file": "summary"}),

@@ -1,13 +1,13 @@
 """Snakemake entry for rule demo_model: the tiny random DeepseekV3 used by the embedded demo.
 
-Plumbing only; the logic is eagledata.demo_model.build_demo_model.
+Plumbing only; the logic is eagledata.demo.model.build_demo_model.
 """
 
 import logging
 
-from eagledata.demo_model import build_demo_model
-from eagledata.families import get_family
-from eagledata.tokenizer import load_tokenizer
+from eagledata.demo.model import build_demo_model
+from eagledata.text.families import get_family
+from eagledata.text.tokenizer import load_tokenizer
 
 smk = snakemake  # noqa: F821  (injected by Snakemake)
 logging.basicConfig(filename=smk.log[0], level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -1,6 +1,6 @@
 """Snakemake entry for rule ``demo_tokenizer``: build the demo tokenizer directory.
 
-Argument plumbing only; the work is :func:`eagledata.demo_tokenizer.build_demo_tokenizer`.
+Argument plumbing only; the work is :func:`eagledata.demo.tokenizer.build_demo_tokenizer`.
 Command line: ``python scripts/build_demo_tokenizer.py OUT_DIR [CORPUS]``.
 """
 
@@ -8,7 +8,7 @@ Command line: ``python scripts/build_demo_tokenizer.py OUT_DIR [CORPUS]``.
 import logging
 import sys
 
-from eagledata.demo_tokenizer import build_demo_tokenizer
+from eagledata.demo.tokenizer import build_demo_tokenizer
 
 
 def main(out_dir: str, corpus: str | None = None, log_file: str | None = None) -> None:

@@ -1,11 +1,11 @@
 """Snakemake entry for rules export_specforge / export_speculators: hidden-state shards -> a
-trainer's own file layout (eagledata.export). Written to an undeclared sibling work directory and
+trainer's own file layout (eagledata.export.trainers). Written to an undeclared sibling work directory and
 renamed onto the declared output at the end (a failed job's files survive for the next try)."""
 
 import logging
 from pathlib import Path
 
-from eagledata import export
+from eagledata.export import trainers as export
 
 smk = snakemake  # noqa: F821  (injected by Snakemake)
 logging.basicConfig(filename=smk.log[0], level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

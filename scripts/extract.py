@@ -1,7 +1,7 @@
 """Snakemake entry for rule extract: token shards -> hidden-state shards (HF or SGLang backend).
 
-Plumbing only; the logic is eagledata.extract. Settings come from config["extraction"]. GPUs are
-claimed (flock, eagledata.gpus) and CUDA_VISIBLE_DEVICES set BEFORE torch is imported. Shards are
+Plumbing only; the logic is eagledata.extract.core. Settings come from config["extraction"]. GPUs are
+claimed (flock, eagledata.extract.gpus) and CUDA_VISIBLE_DEVICES set BEFORE torch is imported. Shards are
 written to an undeclared sibling work directory and renamed onto the declared output at the end,
 so a failed or killed job's finished shards survive Snakemake's cleanup and the next try resumes.
 """
@@ -9,7 +9,7 @@ so a failed or killed job's finished shards survive Snakemake's cleanup and the 
 import logging
 from pathlib import Path
 
-from eagledata import gpus
+from eagledata.extract import gpus
 
 smk = snakemake  # noqa: F821  (injected by Snakemake)
 logging.basicConfig(filename=smk.log[0], level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -25,7 +25,7 @@ try:
 
     import torch  # noqa: E402  (after the claim, on purpose)
 
-    from eagledata import extract as ex  # noqa: E402
+    from eagledata.extract import core as ex  # noqa: E402
 
     if not cfg.get("enabled", True):
         raise ex.ExtractionError("extraction.enabled is false in the config, but rule extract was requested")

@@ -1,9 +1,9 @@
-"""Snakemake entry for rule `generate` (plumbing only; logic in eagledata.generate)."""
+"""Snakemake entry for rule `generate` (plumbing only; logic in eagledata.generate.job)."""
 import json
 import sys
 
-from eagledata.generate import GenerationError, Interrupted, generate_dataset
-from eagledata.prompts import PromptFileError
+from eagledata.generate.job import GenerationError, Interrupted, generate_dataset
+from eagledata.generate.prompts import PromptFileError
 from eagledata.logs import line_log
 
 sm = snakemake  # noqa: F821 - injected by Snakemake

@@ -1,9 +1,9 @@
-"""Snakemake entry for rule `import_responses` (plumbing only; logic in eagledata.generate)."""
+"""Snakemake entry for rule `import_responses` (plumbing only; logic in eagledata.generate.job)."""
 import json
 import sys
 
 from eagledata.config import dataset_settings
-from eagledata.generate import ResponsesFileError, import_responses
+from eagledata.generate.job import ResponsesFileError, import_responses
 from eagledata.logs import line_log
 
 sm = snakemake  # noqa: F821 - injected by Snakemake

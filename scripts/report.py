@@ -1,10 +1,10 @@
-"""Snakemake entry for rules `report_dataset` and `report` (plumbing only; logic in eagledata.report)."""
+"""Snakemake entry for rules `report_dataset` and `report` (plumbing only; logic in eagledata.report.build)."""
 import logging
 import os
 import sys
 
 from eagledata.config import load_model_tokenizer
-from eagledata.report import build_dataset_report, build_run_report
+from eagledata.report.build import build_dataset_report, build_run_report
 
 sm = snakemake  # noqa: F821 - injected by Snakemake
 logging.basicConfig(filename=sm.log[0], level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")

@@ -1,9 +1,9 @@
-"""Snakemake entry for rule `tokens` (plumbing only; logic in eagledata.tokens)."""
+"""Snakemake entry for rule `tokens` (plumbing only; logic in eagledata.tokens.shards)."""
 import logging
 import sys
 
 from eagledata.config import dataset_settings, load_model_tokenizer
-from eagledata.tokens import build_token_shards
+from eagledata.tokens.shards import build_token_shards
 
 sm = snakemake  # noqa: F821 - injected by Snakemake
 logging.basicConfig(filename=sm.log[0], level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")

@@ -1,11 +1,11 @@
-"""Snakemake entry for rule `validate` (plumbing only; logic in eagledata.validate / eagledata.profiles)."""
+"""Snakemake entry for rule `validate` (plumbing only; logic in eagledata.validate.summary / eagledata.validate.profiles)."""
 import json
 import logging
 import sys
 from pathlib import Path
 
-from eagledata.profiles import history_path, record_validation
-from eagledata.validate import ValidationFailed, render_summary, write_validation
+from eagledata.validate.profiles import history_path, record_validation
+from eagledata.validate.summary import ValidationFailed, render_summary, write_validation
 
 sm = snakemake  # noqa: F821 - injected by Snakemake
 logging.basicConfig(filename=sm.log[0], level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")

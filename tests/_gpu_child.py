@@ -2,7 +2,7 @@
 
     python tests/_gpu_child.py N JOURNAL BUSY_DIR HOLD_S [NAME]
 
-Claims N devices with eagledata.gpus (before importing anything heavy, as the real job does),
+Claims N devices with eagledata.extract.gpus (before importing anything heavy, as the real job does),
 then, while holding them, marks each device busy with an O_EXCL file in BUSY_DIR (a second holder
 of the same device fails to create it: recorded as a violation), counts the busy files (more than
 EAGLEDATA_NUM_GPUS is a violation of the limit), sleeps HOLD_S, unmarks and exits. Every event is
@@ -17,7 +17,7 @@ t_start = time.time()
 n, journal, busy_dir, hold_s = int(sys.argv[1]), sys.argv[2], sys.argv[3], float(sys.argv[4])
 name = sys.argv[5] if len(sys.argv) > 5 else str(os.getpid())
 
-from eagledata import gpus  # noqa: E402
+from eagledata.extract import gpus  # noqa: E402
 
 ids = gpus.claim_gpus(n, os.environ["EAGLEDATA_GPU_LOCK_DIR"], poll_s=0.05, timeout_s=120)
 t_claimed = time.time()

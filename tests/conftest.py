@@ -21,8 +21,8 @@ def need_shared(*parts: str) -> Path:
 
 @pytest.fixture(scope="session")
 def k25():
-    from eagledata.families import get_family
-    from eagledata.tokenizer import load_tokenizer
+    from eagledata.text.families import get_family
+    from eagledata.text.tokenizer import load_tokenizer
 
     fam = get_family("kimi-k2.5")
     return load_tokenizer(need_shared("tokenizers", "kimi-k2.5"), fam), fam
@@ -30,8 +30,8 @@ def k25():
 
 @pytest.fixture(scope="session")
 def k2():
-    from eagledata.families import get_family
-    from eagledata.tokenizer import load_tokenizer
+    from eagledata.text.families import get_family
+    from eagledata.text.tokenizer import load_tokenizer
 
     fam = get_family("kimi-k2")
     return load_tokenizer(need_shared("tokenizers", "kimi-k2-instruct"), fam), fam

@@ -54,7 +54,7 @@ def quiet(_msg: str) -> None:
 def generate_cmd(config: dict, tmp: Path, dataset: str = "d", name: str = "cfg") -> list[str]:
     cfg_path = tmp / f"{name}.yaml"
     cfg_path.write_text(yaml.safe_dump(config))
-    return [sys.executable, "-m", "eagledata.generate", "--config", str(cfg_path), "--dataset", dataset,
+    return [sys.executable, "-m", "eagledata.generate.job", "--config", str(cfg_path), "--dataset", dataset,
             "--output", str(tmp / "results" / dataset / "responses.jsonl")]
 
 
@@ -103,14 +103,14 @@ def ledger_counted(tmp: Path) -> float:
 
 
 class StandInProcess:
-    """The stand-in run as a user runs it (``python -m eagledata.simulator``), in its own process;
+    """The stand-in run as a user runs it (``python -m eagledata.standin.server``), in its own process;
     :meth:`counters` reads ``GET /_sim/counters``."""
 
     def __init__(self, tokenizer: str | Path, tmp: Path, latency_ms: float = 0, jitter_ms: float = 0, seed: int = 2):
         port_file = tmp / f"stand-in-{time.monotonic_ns()}.port"
         self.log = port_file.with_suffix(".log")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "eagledata.simulator", "--tokenizer", str(tokenizer), "--family", "kimi-k2.5",
+            [sys.executable, "-m", "eagledata.standin.server", "--tokenizer", str(tokenizer), "--family", "kimi-k2.5",
              "--seed", str(seed), "--latency-ms", str(latency_ms), "--latency-jitter-ms", str(jitter_ms),
              "--port-file", str(port_file)], stdout=open(self.log, "wb"), stderr=subprocess.STDOUT)
         t0 = time.monotonic()

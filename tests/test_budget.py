@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from eagledata.budget import BudgetExhausted, BudgetLedger, LedgerBusy, LedgerSession, Reserve, ledger_path
+from eagledata.generate.budget import BudgetExhausted, BudgetLedger, LedgerBusy, LedgerSession, Reserve, ledger_path
 from eagledata.cli import main as cli_main
-from eagledata.generate import generate_dataset, key_usage, reconcile_generations
-from eagledata.simulator import SimulatorServer
+from eagledata.generate.job import generate_dataset, key_usage, reconcile_generations
+from eagledata.standin.server import SimulatorServer
 from gen_helpers import API_KEY, generate_cmd, make_config, quiet, read_jsonl, spawn, write_prompts
 
 
@@ -54,7 +54,7 @@ def test_reserve_settle_and_caps(tmp_path):
 
 def test_dead_process_reservations_are_orphaned_then_recovered(tmp_path):
     path = tmp_path / "b.sqlite"
-    code = ("import os, sys; from eagledata.budget import BudgetLedger, Reserve; l = BudgetLedger(sys.argv[1]); "
+    code = ("import os, sys; from eagledata.generate.budget import BudgetLedger, Reserve; l = BudgetLedger(sys.argv[1]); "
             "[l.apply([Reserve(r, 'a', 0.25, 1.0, None)], []) for r in ('x1', 'x2')]; os._exit(0)")
     subprocess.run([sys.executable, "-c", code, str(path)], check=True)
     led = BudgetLedger(path)
@@ -187,7 +187,7 @@ def test_plan_and_budget_commands(tmp_path, k25, capsys, monkeypatch):
 
 
 def _open_ledger(path):
-    from eagledata.budget import BudgetLedger
+    from eagledata.generate.budget import BudgetLedger
 
     BudgetLedger(path).close()
 

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from eagledata.budget import BudgetLedger
-from eagledata.cachelock import acquire_writer_lock
+from eagledata.generate.budget import BudgetLedger
+from eagledata.generate.cachelock import acquire_writer_lock
 from eagledata.config import validate_config
-from eagledata.generate import GenerationError, JobStopped, ResponseCache, generate_dataset
-from eagledata.plan import plan_dataset
-from eagledata.simulator import SimulatorServer, prompt_hash
+from eagledata.generate.job import GenerationError, JobStopped, ResponseCache, generate_dataset
+from eagledata.generate.plan import plan_dataset
+from eagledata.standin.server import SimulatorServer, prompt_hash
 from gen_helpers import (API_KEY, StandInProcess, cache_lines, generate_cmd, ledger_counted, ledger_rows, make_config,
                          quiet, read_jsonl, spawn, write_prompts)
 
@@ -121,7 +121,7 @@ def test_two_work_directories_sharing_a_cache_pay_each_prompt_once(stand_in_proc
 
 HOLDER = """
 import asyncio, sys, time
-from eagledata.cachelock import acquire_writer_lock
+from eagledata.generate.cachelock import acquire_writer_lock
 lock = asyncio.run(acquire_writer_lock(sys.argv[1], "d", 5, print))
 print("held", flush=True)
 time.sleep(120)
@@ -230,7 +230,7 @@ def test_injected_enospc_loses_no_paid_answer(stand_in, k25, tmp_path, key, monk
     sim = stand_in(latency_ms=40)
     cfg = make_config(tmp_path, write_prompts(tmp_path / "p.jsonl", 16), k25[0].source, api_base=sim.base_url,
                       concurrency=4, drain_timeout_s=3 if space_returns else 0.3)
-    monkeypatch.setattr("eagledata.generate.FSYNC_INTERVAL_S", 0.0)  # a background fsync after every record
+    monkeypatch.setattr("eagledata.generate.job.FSYNC_INTERVAL_S", 0.0)  # a background fsync after every record
     disk = FullDisk(monkeypatch, kind, after=5, free_after=0.4 if space_returns else None)
     path = tmp_path / "cache" / "d" / "responses.jsonl"
     logs: list[str] = []

@@ -1,8 +1,8 @@
 import json
 from collections import defaultdict
 
-from eagledata.chat import prompt_ids, render_chat, request_thinking
-from eagledata.responses import parse_response
+from eagledata.text.chat import prompt_ids, render_chat, request_thinking
+from eagledata.tokens.responses import parse_response
 
 from conftest import need_shared
 

@@ -1,4 +1,4 @@
-"""The demo tokenizer (eagledata.demo_tokenizer) and the demo prompt datasets."""
+"""The demo tokenizer (eagledata.demo.tokenizer) and the demo prompt datasets."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from types import SimpleNamespace
 import pytest
 import tiktoken
 
-from eagledata import demo_tokenizer as dt
-from eagledata.chat import render_chat
-from eagledata.families import KIMI_PATTERN, get_family
-from eagledata.tokenizer import load_tokenizer
+from eagledata.demo import tokenizer as dt
+from eagledata.text.chat import render_chat
+from eagledata.text.families import KIMI_PATTERN, get_family
+from eagledata.text.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_KIMI = REPO.parent / "shared" / "tokenizers" / "kimi-k2.5"

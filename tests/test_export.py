@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagledata import export as xp
-from eagledata import extract as ex
-from eagledata.demo_model import build_demo_model
+from eagledata.export import trainers as xp
+from eagledata.extract import core as ex
+from eagledata.demo.model import build_demo_model
 
 from test_extract import VOCAB, make_rows, write_tokens
 

@@ -1,4 +1,4 @@
-"""Hidden-state extraction (eagledata.extract) and the tiny demo model (eagledata.demo_model).
+"""Hidden-state extraction (eagledata.extract.core) and the tiny demo model (eagledata.demo.model).
 
 The layer-index tests compare against forward hooks on every decoder layer of the real
 transformers DeepseekV3 class (random weights), because an off-by-one there silently trains a
@@ -18,8 +18,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from eagledata import extract as ex
-from eagledata.demo_model import build_demo_model, demo_config
+from eagledata.extract import core as ex
+from eagledata.demo.model import build_demo_model, demo_config
 
 VOCAB = 512
 SCHEMA = {
@@ -355,7 +355,7 @@ def test_empty_selection_and_missing_weights(tmp_path, token_rows, weights, mode
 
 
 def test_claim_gpus_wrapper_raises_extraction_error(tmp_path, monkeypatch):
-    from eagledata import gpus
+    from eagledata.extract import gpus
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setenv("CUDA_DEVICE_ORDER", "")
@@ -421,7 +421,7 @@ def test_disk_space_checked_before_a_shard_starts(tmp_path, token_rows, weights,
 
 _KILLED_CHILD = """
 import sys, time, torch
-from eagledata import extract as ex
+from eagledata.extract import core as ex
 torch.set_num_threads(1)
 slow = ex.HFBackend.forward
 def forward(self, seqs, out_dtype):

@@ -8,15 +8,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from eagledata import report as rp
-from eagledata.chat import prompt_ids, prompt_text
-from eagledata.checks import SampleStats
-from eagledata.families import get_family
-from eagledata.learning import learn_prompt_variants, learn_reasoning_reliability, sample_variant, variant_name
-from eagledata.policy import PRESETS, PolicyError, resolve_policy
-from eagledata.simulator import SimulatorServer
-from eagledata.tokens import build_token_shards, read_shards
-from eagledata.validate import ValidationFailed, summarize, write_validation
+from eagledata.report import build as rp
+from eagledata.text.chat import prompt_ids, prompt_text
+from eagledata.tokens.checks import SampleStats
+from eagledata.text.families import get_family
+from eagledata.tokens.learning import learn_prompt_variants, learn_reasoning_reliability, sample_variant, variant_name
+from eagledata.tokens.policy import PRESETS, PolicyError, resolve_policy
+from eagledata.standin.server import SimulatorServer
+from eagledata.tokens.shards import build_token_shards, read_shards
+from eagledata.validate.summary import ValidationFailed, summarize, write_validation
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = 5
@@ -30,8 +30,8 @@ TOOLS = [{"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def demo_tok(tmp_path_factory):
-    from eagledata.demo_tokenizer import build_demo_tokenizer, default_corpus_path
-    from eagledata.tokenizer import load_tokenizer
+    from eagledata.demo.tokenizer import build_demo_tokenizer, default_corpus_path
+    from eagledata.text.tokenizer import load_tokenizer
 
     out = tmp_path_factory.mktemp("tok") / "demo"
     build_demo_tokenizer(default_corpus_path(), out)
@@ -261,8 +261,8 @@ def test_routing_never_advises_unverified_and_ranks_by_both_sides():
 def test_unreliable_reasoning_provider_still_gets_whitespace_repairs(k25, tmp_path):
     """Real K2.5 tokenizer: a provider whose reasoning counts are noise in both directions is judged on
     the total; a stripped leading space that the total alone pins down is still repaired."""
-    from eagledata.reconstruct import reconstruct_completion
-    from eagledata.responses import ParsedResponse
+    from eagledata.tokens.reconstruct import reconstruct_completion
+    from eagledata.tokens.responses import ParsedResponse
 
     tok, fam = k25
     msgs = [{"role": "user", "content": "How many?"}]

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from eagledata.config import dataset_settings, validate_config
-from eagledata.generate import (GenerationError, JobStopped, ResponsesFileError, build_request, cache_key,
+from eagledata.generate.job import (GenerationError, JobStopped, ResponsesFileError, build_request, cache_key,
                                 generate_dataset, generate_dataset_async, import_responses, request_params,
                                 work_items)
-from eagledata.prompts import PromptFileError, read_prompts
-from eagledata.responses import parse_response
-from eagledata.simulator import SimulatorServer, prompt_hash
+from eagledata.generate.prompts import PromptFileError, read_prompts
+from eagledata.tokens.responses import parse_response
+from eagledata.standin.server import SimulatorServer, prompt_hash
 
 from gen_helpers import API_KEY, TOOLS, make_config, write_prompts  # noqa: E402
 

@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from eagledata.generate import GenerationError, Interrupted, generate_dataset
-from eagledata.progress import Progress
-from eagledata.responses import parse_response
-from eagledata.simulator import SimulatorServer, prompt_hash
+from eagledata.generate.job import GenerationError, Interrupted, generate_dataset
+from eagledata.generate.progress import Progress
+from eagledata.tokens.responses import parse_response
+from eagledata.standin.server import SimulatorServer, prompt_hash
 from gen_helpers import (API_KEY, cache_lines, generate_cmd, ledger_rows, make_config, quiet, read_jsonl, spawn,
                          wait_cache_lines, write_prompts)
 

@@ -1,4 +1,4 @@
-"""GPU pinning (eagledata.gpus), proven on a CPU machine with 8 simulated devices
+"""GPU pinning (eagledata.extract.gpus), proven on a CPU machine with 8 simulated devices
 (EAGLEDATA_NUM_GPUS=8): real concurrent subprocesses claim devices with flock; a device must never
 be held by two jobs, never more than 8 in use, and a kill -9'd job must free its devices."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from eagledata import gpus
+from eagledata.extract import gpus
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = ROOT / "tests" / "_gpu_child.py"
@@ -165,6 +165,6 @@ def test_real_snakemake_run_with_gpu_resource(box, tmp_path):
 def test_claiming_happens_before_torch_is_imported():
     """The extraction modules import torch lazily, so a job can claim GPUs and set
     CUDA_VISIBLE_DEVICES before CUDA is initialised."""
-    code = ("import sys; from eagledata import gpus, extract, export, sglang_runner; "
+    code = ("import sys; from eagledata.extract import gpus, core, sglang; from eagledata.export import trainers; "
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from eagledata.httpclient import Connection, Endpoint, RequestHead, TransportError
+from eagledata.generate.httpclient import Connection, Endpoint, RequestHead, TransportError
 
 
 async def _read_request(reader: asyncio.StreamReader) -> bytes | None:
@@ -201,7 +201,7 @@ def test_https_verifies_the_server_certificate(tmp_path, monkeypatch):
     import ssl
     import subprocess
 
-    import eagledata.httpclient as hc
+    import eagledata.generate.httpclient as hc
 
     if shutil.which("openssl") is None:
         pytest.skip("openssl command not available")

@@ -3,8 +3,8 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from eagledata.reconstruct import count_tool_calls, reconstruct_completion
-from eagledata.responses import ParsedResponse, ToolCall, parse_response
+from eagledata.tokens.reconstruct import count_tool_calls, reconstruct_completion
+from eagledata.tokens.responses import ParsedResponse, ToolCall, parse_response
 
 
 def _resp(reasoning=None, content=None, calls=(), finish="stop", error=None):
@@ -25,7 +25,7 @@ def test_k25_thinking_completion_structure(k25):
 
 
 def test_k2_thinking_model_emits_its_own_think_open(k25):
-    from eagledata.families import get_family
+    from eagledata.text.families import get_family
 
     tok, _ = k25
     rc = reconstruct_completion(_resp("r", "c"), tok, get_family("kimi-k2-thinking"))

@@ -62,7 +62,7 @@ def files_under(path: Path) -> set[Path]:
 
 @pytest.fixture
 def stand_in(k25, tmp_path):
-    """The stand-in in its own process (``python -m eagledata.simulator``), counters over HTTP."""
+    """The stand-in in its own process (``python -m eagledata.standin.server``), counters over HTTP."""
     s = StandInProcess(k25[0].source, tmp_path)
     yield s
     s.stop()
@@ -108,7 +108,7 @@ def test_every_object_of_the_schema_is_closed():
     block, which is closed through its $ref, and the user-keyed maps whose entries are closed
     schemas; families take exactly ModelFamily's fields; both generation blocks know the same keys."""
     from eagledata.config import schema
-    from eagledata.families import ModelFamily
+    from eagledata.text.families import ModelFamily
 
     sch = schema()
     open_maps = {("$defs", "generation", "properties", "extra_body"),
@@ -253,7 +253,7 @@ def test_dataset_named_dot_dot_evil_writes_nothing_anywhere(tmp_path):
     assert "may use only letters, digits" in sm.stdout + sm.stderr
     plan = eagledata_plan(work, bad)
     assert plan.returncode == 2 and "dataset name '../../evil' is not allowed" in plan.stderr
-    gen = run([sys.executable, "-m", "eagledata.generate", "--config", str(bad), "--dataset", "../../evil",
+    gen = run([sys.executable, "-m", "eagledata.generate.job", "--config", str(bad), "--dataset", "../../evil",
                "--output", "results/../../evil/responses.jsonl"], work)
     assert gen.returncode == 1 and "dataset name '../../evil' is not allowed" in gen.stderr
 
@@ -305,7 +305,7 @@ def test_tokenizer_with_a_wrong_special_id_stops_before_paying(tmp_path, stand_i
 @pytest.fixture
 def in_process(k25, monkeypatch, tmp_path):
     """The stand-in in process (its counters read directly) and a config pointing at it."""
-    from eagledata.simulator import SimulatorServer
+    from eagledata.standin.server import SimulatorServer
 
     monkeypatch.setenv("OPENROUTER_API_KEY", API_KEY)
     with SimulatorServer(*k25, seed=2) as sim:
@@ -314,8 +314,8 @@ def in_process(k25, monkeypatch, tmp_path):
 
 
 def _stopped(cfg: dict, tmp: Path) -> str:
-    from eagledata.generate import generate_dataset
-    from eagledata.preflight import PreflightError
+    from eagledata.generate.job import generate_dataset
+    from eagledata.generate.preflight import PreflightError
 
     with pytest.raises(PreflightError) as err:
         generate_dataset(cfg, "d", tmp / "results" / "d" / "responses.jsonl", log=quiet)
@@ -325,8 +325,8 @@ def _stopped(cfg: dict, tmp: Path) -> str:
 def test_failing_self_check_stops_before_paying(in_process, tmp_path, monkeypatch):
     """Proves: a tokenizer failing its self-check (a special id that decodes to another token)
     stops the job in preflight, the message naming the token, the id and the directory."""
-    import eagledata.plan as plan_mod
-    import eagledata.tokenizer as tokenizer_mod
+    import eagledata.generate.plan as plan_mod
+    import eagledata.text.tokenizer as tokenizer_mod
 
     sim, cfg = in_process
     monkeypatch.setattr(plan_mod, "_TOKENIZERS", {})  # no tokenizer loaded by an earlier test
@@ -361,7 +361,7 @@ def test_unrenderable_prompt_stops_before_paying(in_process, tmp_path):
 def test_missing_extraction_weights_stop_before_paying(in_process, tmp_path):
     """Proves: with extraction enabled, missing weights stop the job before any request; with
     extraction disabled the same config generates."""
-    from eagledata.generate import generate_dataset
+    from eagledata.generate.job import generate_dataset
 
     sim, cfg = in_process
     cfg["models"]["m"]["weights"] = str(tmp_path / "no-weights")
@@ -375,7 +375,7 @@ def test_missing_extraction_weights_stop_before_paying(in_process, tmp_path):
 def test_full_cache_disk_stops_before_paying(in_process, tmp_path, monkeypatch):
     """Proves: the job compares the expected answer bytes (requests x max_tokens x bytes per token)
     with the cache filesystem's free space and stops before any request, naming path and numbers."""
-    import eagledata.preflight as preflight
+    import eagledata.generate.preflight as preflight
 
     sim, cfg = in_process
     Usage = namedtuple("Usage", "total used free")
@@ -390,7 +390,7 @@ def test_full_cache_disk_stops_before_paying(in_process, tmp_path, monkeypatch):
 
 
 def test_preflight_logs_and_passes_on_a_good_setup(in_process, tmp_path):
-    from eagledata.generate import generate_dataset
+    from eagledata.generate.job import generate_dataset
 
     sim, cfg = in_process
     logs: list[str] = []

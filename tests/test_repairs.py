@@ -4,11 +4,11 @@ import json
 
 import polars as pl
 
-from eagledata.checks import _structure_codes, learn_conventions
-from eagledata.chat import prompt_ids
-from eagledata.reconstruct import reconstruct_completion
-from eagledata.responses import ParsedResponse, ToolCall
-from eagledata.tokens import build_token_shards, read_shards
+from eagledata.tokens.checks import _structure_codes, learn_conventions
+from eagledata.text.chat import prompt_ids
+from eagledata.tokens.reconstruct import reconstruct_completion
+from eagledata.tokens.responses import ParsedResponse, ToolCall
+from eagledata.tokens.shards import build_token_shards, read_shards
 
 MSGS = [{"role": "user", "content": "How many?"}]
 
@@ -111,7 +111,7 @@ def test_compact_json_arguments_are_respaced(k25, tmp_path):
 
 
 def test_conventions_are_only_the_known_two(k25):
-    from eagledata.checks import SampleStats
+    from eagledata.tokens.checks import SampleStats
 
     stats = [SampleStats(f"s{i}", "Odd", "stop", 10, 20, 0, True, 10, 17, None) for i in range(5)]
     conv = learn_conventions(stats)  # billed 3 below ours: no known convention explains it

@@ -1,4 +1,4 @@
-"""HTML reports, run-wide validation.json and routing advice (eagledata.report), on synthetic token
+"""HTML reports, run-wide validation.json and routing advice (eagledata.report.build), on synthetic token
 shards built with the demo tokenizer (no ../shared needed)."""
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagledata import demo_tokenizer as dt
-from eagledata import report as rp
-from eagledata.families import get_family
-from eagledata.samples import tokenize_record
-from eagledata.tokenizer import load_tokenizer
-from eagledata.tokens import build_token_shards
-from eagledata.validate import write_validation
+from eagledata.demo import tokenizer as dt
+from eagledata.report import build as rp
+from eagledata.text.families import get_family
+from eagledata.tokens.samples import tokenize_record
+from eagledata.text.tokenizer import load_tokenizer
+from eagledata.tokens.shards import build_token_shards
+from eagledata.validate.summary import write_validation
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILY = get_family("kimi-k2.5")
@@ -365,7 +365,7 @@ def test_report_rules_and_snakemake_report(tmp_path):
 
 
 def test_reports_outside_snakemake_after_failed_validation(tok, tmp_path):
-    """`python -m eagledata.report` still reports a dataset whose validate rule failed (Snakemake
+    """`python -m eagledata.report.build` still reports a dataset whose validate rule failed (Snakemake
     removed its validation.json): the summary is rebuilt from the token shards."""
     from eagledata.config import validate_config
 

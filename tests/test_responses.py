@@ -1,6 +1,6 @@
 import json
 
-from eagledata.responses import parse_response
+from eagledata.tokens.responses import parse_response
 
 
 def _json_body(**message):

@@ -20,9 +20,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from eagledata import extract as ex
-from eagledata import sglang_runner as sr
-from eagledata.demo_model import build_demo_model
+from eagledata.extract import core as ex
+from eagledata.extract import sglang as sr
+from eagledata.demo.model import build_demo_model
 
 from test_extract import VOCAB, make_rows, write_tokens
 

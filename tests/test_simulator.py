@@ -7,11 +7,11 @@ from dataclasses import replace
 import httpx
 import pytest
 
-from eagledata.chat import request_thinking
-from eagledata.families import get_family
-from eagledata.reconstruct import count_tool_calls
-from eagledata.responses import parse_response
-from eagledata.simulator import PROFILES, Fault, SimulatorServer, prompt_hash
+from eagledata.text.chat import request_thinking
+from eagledata.text.families import get_family
+from eagledata.tokens.reconstruct import count_tool_calls
+from eagledata.tokens.responses import parse_response
+from eagledata.standin.server import PROFILES, Fault, SimulatorServer, prompt_hash
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city.",
@@ -26,10 +26,10 @@ ADD = {"type": "function", "function": {"name": "add", "parameters": {
 @pytest.fixture(scope="session")
 def demo(tmp_path_factory):
     try:
-        from eagledata.demo_tokenizer import build_demo_tokenizer
+        from eagledata.demo.tokenizer import build_demo_tokenizer
     except ImportError:
-        pytest.skip("eagledata.demo_tokenizer is not available")
-    from eagledata.tokenizer import load_tokenizer
+        pytest.skip("eagledata.demo.tokenizer is not available")
+    from eagledata.text.tokenizer import load_tokenizer
 
     fam = get_family("kimi-k2.5")
     return load_tokenizer(build_demo_tokenizer(None, tmp_path_factory.mktemp("demo-tok")), fam), fam
@@ -73,7 +73,7 @@ def segment_ids(t: dict, kind: str) -> list[list[int]]:
 def test_ground_truth_is_consistent_and_reconstructs_exactly(tok_fam, family_name):
     """Truth segments decode to the returned text; reconstruction of the returned body (exact
     profile) gives exactly the truth ids, and usage counts them all."""
-    from eagledata.reconstruct import reconstruct_completion
+    from eagledata.tokens.reconstruct import reconstruct_completion
 
     tok, _ = tok_fam
     fam = get_family(family_name)

@@ -4,8 +4,8 @@ import shutil
 
 import pytest
 
-from eagledata.families import KIMI_PATTERN, get_family
-from eagledata.tokenizer import (
+from eagledata.text.families import KIMI_PATTERN, get_family
+from eagledata.text.tokenizer import (
     MAX_NO_WHITESPACES_CHARS,
     TokenizerSelfCheckError,
     _split_runs,

@@ -3,9 +3,9 @@ import json
 import polars as pl
 import pytest
 
-from eagledata.chat import prompt_ids
-from eagledata.tokens import ResponsesFileError, build_token_shards, read_shards, sha256_file
-from eagledata.validate import ValidationFailed, summarize, write_validation
+from eagledata.text.chat import prompt_ids
+from eagledata.tokens.shards import ResponsesFileError, build_token_shards, read_shards, sha256_file
+from eagledata.validate.summary import ValidationFailed, summarize, write_validation
 
 MSGS = [{"role": "user", "content": "What is 2+3?"}]
 
@@ -138,7 +138,7 @@ def test_bad_responses_file_names_file_line_field(k25, tmp_path):
 
 
 def test_fidelity_profiles_accumulate_across_runs_without_double_counting(k25, synthetic, tmp_path):
-    from eagledata.profiles import accumulated_profiles, record_validation
+    from eagledata.validate.profiles import accumulated_profiles, record_validation
 
     tok, fam = k25
     res = build_token_shards(synthetic, tmp_path / "tokens", tok, fam, "syn")
@@ -157,7 +157,7 @@ def test_fidelity_profiles_accumulate_across_runs_without_double_counting(k25, s
 def test_plain_openrouter_log_lines_import_like_recordings(k2, recorded, tmp_path):
     """A log of parsed responses (request beside response, or the response with its request inside)
     goes through the same stages; the records say their bodies were re-serialized."""
-    from eagledata.generate import read_response_records
+    from eagledata.generate.job import read_response_records
 
     tok, fam = k2
     plain = [r for r in recorded if not r["request"].get("stream")][:6]

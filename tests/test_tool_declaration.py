@@ -2,8 +2,8 @@
 
 import pytest
 
-from eagledata.chat import declare_tools, prompt_text
-from eagledata.tool_declaration import ToolDeclarationError, deep_sort, typescript_tool_declaration
+from eagledata.text.chat import declare_tools, prompt_text
+from eagledata.text.tool_declaration import ToolDeclarationError, deep_sort, typescript_tool_declaration
 
 HEAD = "# Tools\n\n## functions\nnamespace functions {\n"
 TAIL = "\n}\n"

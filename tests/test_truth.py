@@ -8,10 +8,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from eagledata.families import get_family
-from eagledata.simulator import PROFILES, SimulatorServer
-from eagledata.tokenizer import load_tokenizer
-from eagledata.tokens import build_token_shards, read_shards
+from eagledata.text.families import get_family
+from eagledata.standin.server import PROFILES, SimulatorServer
+from eagledata.text.tokenizer import load_tokenizer
+from eagledata.tokens.shards import build_token_shards, read_shards
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = 11
@@ -31,7 +31,7 @@ EXPECTED = {
 
 @pytest.fixture(scope="module")
 def demo_tok(tmp_path_factory):
-    from eagledata.demo_tokenizer import build_demo_tokenizer, default_corpus_path
+    from eagledata.demo.tokenizer import build_demo_tokenizer, default_corpus_path
 
     out = tmp_path_factory.mktemp("tok") / "demo"
     build_demo_tokenizer(default_corpus_path(), out)
@@ -84,7 +84,7 @@ def test_verdicts_never_bless_wrong_ids(profile, demo_tok, tmp_path):
 def test_engine_token_ids_are_the_tokens_and_the_text_path_is_measured(demo_tok, tmp_path, monkeypatch):
     """Backend sglang: the ids the engine returned are used as they are (no reconstruction); the text
     path is still reconstructed and compared, as a measurement."""
-    from eagledata.generate import generate_dataset
+    from eagledata.generate.job import generate_dataset
 
     monkeypatch.delenv("OPENROUTER_API_KEY", raising=False)
     tok, fam = demo_tok

@@ -92,10 +92,10 @@ def test_one_dataset_target_builds_only_that_dataset(tmp_path):
 @pytest.fixture
 def paid_setup(tmp_path):
     """A workflow whose datasets use backend openrouter, pointed at a local stand-in over loopback."""
-    from eagledata.demo_tokenizer import build_demo_tokenizer, default_corpus_path
-    from eagledata.families import get_family
-    from eagledata.simulator import SimulatorServer
-    from eagledata.tokenizer import load_tokenizer
+    from eagledata.demo.tokenizer import build_demo_tokenizer, default_corpus_path
+    from eagledata.text.families import get_family
+    from eagledata.standin.server import SimulatorServer
+    from eagledata.text.tokenizer import load_tokenizer
 
     work = _copy_repo(tmp_path / "w")
     tok_dir = tmp_path / "tok"
@@ -167,3 +167,67 @@ def test_rerun_rules_never_regenerate_paid_responses(paid_setup):
 def test_lint_is_clean():
     out = subprocess.run([sys.executable, "-m", "snakemake", "--lint"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+STAGE_RULES = {"tokens.py": {"tokens"}, "validate.py": {"validate"}, "report.py": {"report_dataset", "report"},
+               "export.py": {"export"}, "extract.py": {"extract"}, "build_demo_model.py": {"demo_model"},
+               "build_demo_tokenizer.py": {"demo_tokenizer"}}
+
+
+def _runtime_imports(work: Path, script: str) -> set[str]:
+    """Project module files a stage script's top-level imports load, measured in a fresh interpreter."""
+    code = ("import ast, sys, pathlib\n"
+            f"tree = ast.parse(pathlib.Path('scripts/{script}').read_text())\n"
+            "top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]\n"
+            "exec(compile(ast.Module(top, []), 'imports', 'exec'))\n"
+            "print('\\n'.join(m.__file__ for n, m in list(sys.modules.items())\n"
+            "                 if n.split('.')[0] == 'eagledata' and getattr(m, '__file__', None)))\n")
+    env = {**os.environ, "PYTHONPATH": str(work / "src")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=work, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return {str(Path(line).resolve().relative_to(work.resolve())) for line in out.stdout.split()}
+
+
+def test_editing_a_module_reruns_the_stages_that_import_it_and_never_generation(tmp_path):
+    """Every project module in turn: a newer copy reruns each stage whose script imports it (measured
+    by importing the script's imports) and what follows, and never the paid generate step."""
+    from eagledata.standin.server import SimulatorServer
+    from eagledata.demo.tokenizer import build_demo_tokenizer, default_corpus_path
+    from eagledata.text.families import get_family
+    from eagledata.text.tokenizer import load_tokenizer
+
+    work = _copy_repo(tmp_path / "w")
+    tok_dir = tmp_path / "tok"
+    build_demo_tokenizer(default_corpus_path(), tok_dir)
+    fam = get_family("kimi-k2.5")
+    with SimulatorServer(load_tokenizer(tok_dir, fam), fam, seed=5) as server:
+        config = yaml.safe_load((work / "config/config.yaml").read_text())
+        config["generation"]["api_base"] = server.base_url
+        config["datasets"] = {"a": {"prompts": "config/demo/chat.jsonl", "model": "demo", "backend": "openrouter"}}
+        (work / "config/config.yaml").write_text(yaml.safe_dump(config))
+        env = {"OPENROUTER_API_KEY": KEY}
+        snakemake(work, "all", env=env)
+    assert planned_jobs(work, env=env) == {}
+    modules = sorted(p for p in (work / "src/eagledata").rglob("*.py"))
+    imported = {script: _runtime_imports(work, script) for script in STAGE_RULES}
+    assert all(imported.values())
+
+    def plan_after_edit(path: Path) -> dict[str, int]:
+        """A real edit (Snakemake compares input checksums, so a touch is not a change), then undone."""
+        text, st = path.read_bytes(), path.stat()
+        path.write_bytes(text + b"\n# edited\n")
+        try:
+            return planned_jobs(work, env=env)
+        finally:
+            path.write_bytes(text)
+            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+    results = {path: plan_after_edit(path) for path in modules}
+    for path, jobs in results.items():
+        rel = str(path.relative_to(work))
+        assert "generate" not in jobs and "import_responses" not in jobs, (rel, jobs)
+        for script, rules in STAGE_RULES.items():
+            if rel in imported[script]:
+                assert rules <= set(jobs), (rel, script, jobs)
+    unused = work / "src/eagledata/cli.py"  # the CLI is imported by no stage
+    assert results[unused] == {}, results[unused]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import polars as pl
 
-from .checks import explain as explain_codes
+from eagledata.tokens.checks import explain as explain_codes
 from .config import load_config, load_model_tokenizer
 
 
@@ -65,7 +65,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_profiles(args: argparse.Namespace) -> int:
-    from .profiles import accumulated_profiles, history_path
+    from eagledata.validate.profiles import accumulated_profiles, history_path
 
     config = load_config(args.config)
     path = history_path(config["cache_dir"])
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     pl_.add_argument("datasets", nargs="*", help="default: every dataset of the config")
     pl_.add_argument("--config", default="config/config.yaml")
     pl_.add_argument("--json", action="store_true")
-    pl_.set_defaults(func=_lazy("eagledata.plan", "cmd_plan"))
+    pl_.set_defaults(func=_lazy("eagledata.generate.plan", "cmd_plan"))
     bu = sub.add_parser("budget", help="spend per dataset and provider from the budget ledger; reconcile orphans")
     bu.add_argument("--config", default="config/config.yaml")
     bu.add_argument("--json", action="store_true")
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="settle orphaned reservations from OpenRouter (/generation, then /key usage); needs OPENROUTER_API_KEY")
     bu.add_argument("--release-orphans", action="store_true",
                     help="settle every orphaned reservation at $0 (after checking the provider's activity page)")
-    bu.set_defaults(func=_lazy("eagledata.budget", "cmd_budget"))
+    bu.set_defaults(func=_lazy("eagledata.generate.budget", "cmd_budget"))
     args = ap.parse_args(argv)
     return args.func(args)
 

@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from .families import ModelFamily, get_family
+from eagledata.text.families import ModelFamily, get_family
 
 
 class ConfigError(ValueError):
@@ -262,7 +262,7 @@ def dataset_settings(config: Mapping[str, Any], name: str) -> DatasetSettings:
 
 def load_model_tokenizer(config: Mapping[str, Any], model_name: str):
     """Load (and self-check) the tokenizer of ``models.<model_name>``."""
-    from .tokenizer import load_tokenizer
+    from eagledata.text.tokenizer import load_tokenizer
 
     m = config["models"][model_name]
     family = get_family(m["family"], config.get("families"))

@@ -1,0 +1,249 @@
+"""Cost estimates (shared by the budget ledger and ``eagledata plan``) and the plan itself.
+
+Worst case of one request = prompt tokens (upper estimate) x prompt price + ``max_tokens`` x
+completion price, at the PRICE BOUND: the routing's ``provider.max_price`` where set (OpenRouter then
+never routes above it), else ``models.NAME.price_per_mtok``. Prompt tokens come from the model's chat
+template and tokenizer when it loads (+2 %, +25 % with tools, since providers render tool
+declarations their own way), else from the UTF-8 size of the messages (one token per byte at most,
+for byte-level BPE vocabularies).
+
+``eagledata plan`` (no request is sent, nothing is paid): per dataset, the samples, how many are
+cached, how many would be requested, and the cost range of those: low (prompt + one completion
+token each), expected (prompt + the mean completion length of the dataset's cached responses, when
+there are any) and worst case (the budget reservation); plus the ledger's spend and the budget left.
+It also runs the cheap part of the generate job's preflight (:func:`eagledata.generate.preflight.tokenizer_problem`:
+the tokenizer directory is found and holds tokenizer files) and exits 1, naming the path, where it
+fails; a config error (unknown key, bad dataset name) stops it with the message, exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from eagledata.config import DatasetSettings, dataset_settings, load_model_tokenizer
+from eagledata.generate.prompts import canonical_json
+
+
+@dataclass(frozen=True)
+class Price:
+    prompt: float  # USD per million tokens
+    completion: float
+    source: str
+
+    def cost(self, prompt_tokens: float, completion_tokens: float) -> float:
+        return (prompt_tokens * self.prompt + completion_tokens * self.completion) / 1e6
+
+
+def price_bound(settings: DatasetSettings) -> Price:
+    own = settings.model.get("price_per_mtok") or {}
+    price = Price(float(own.get("prompt", 0) or 0), float(own.get("completion", 0) or 0), f"models.{settings.model_name}.price_per_mtok")
+    max_price = ((settings.generation.get("provider") or {}).get("max_price") or {}) if settings.backend == "openrouter" else {}
+    if isinstance(max_price, Mapping) and any(isinstance(max_price.get(k), (int, float)) for k in ("prompt", "completion")):
+        return Price(float(max_price.get("prompt", price.prompt)), float(max_price.get("completion", price.completion)),
+                     "generation.provider.max_price")
+    return price
+
+
+class PromptEstimator:
+    """Prompt-token counts of request bodies: exact from the chat template when a tokenizer is
+    given, else an upper bound from the UTF-8 size."""
+
+    def __init__(self, tokenizer: Any = None, why_not: str | None = None):
+        self.tokenizer = tokenizer
+        self.why_not = why_not
+
+    @property
+    def method(self) -> str:
+        return "chat template" if self.tokenizer is not None else f"bytes ({self.why_not or 'no tokenizer'})"
+
+    def count(self, messages: Any, tools: Any, reasoning: Any = None) -> tuple[int, int]:
+        """(estimate, upper bound) of the prompt tokens."""
+        if self.tokenizer is not None:
+            from eagledata.text.chat import ChatTemplateError, prompt_ids, request_thinking
+
+            try:
+                n = len(prompt_ids(self.tokenizer, messages, tools, thinking=request_thinking({"reasoning": reasoning})))
+                return n, math.ceil(n * (1.25 if tools else 1.02)) + 16
+            except ChatTemplateError:
+                pass
+        n_bytes = len(canonical_json({"messages": messages, "tools": tools or None}).encode("utf-8"))
+        upper = n_bytes + 8 * len(messages or []) + 64
+        return max(1, n_bytes // 4), upper
+
+
+_TOKENIZERS: dict[str, Any] = {}
+
+
+def _tokenizer_key(config: Mapping[str, Any], model_name: str) -> str:
+    m = config["models"][model_name]
+    stamps = []
+    for p in (m.get("tokenizer"), m.get("chat_template")):
+        path = Path(p) if p else None
+        if path is not None and path.exists():
+            files = sorted(path.iterdir()) if path.is_dir() else [path]
+            stamps += [(str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files if f.is_file()]
+    return canonical_json({"model": m, "families": config.get("families"), "files": stamps})
+
+
+def cached_model_tokenizer(config: Mapping[str, Any], model_name: str) -> Any:
+    """:func:`load_model_tokenizer`, remembered per process while the tokenizer files are unchanged."""
+    key = _tokenizer_key(config, model_name)
+    if key not in _TOKENIZERS:
+        if len(_TOKENIZERS) > 8:
+            _TOKENIZERS.clear()
+        _TOKENIZERS[key] = load_model_tokenizer(config, model_name)
+    return _TOKENIZERS[key]
+
+
+def load_estimator(config: Mapping[str, Any], settings: DatasetSettings) -> PromptEstimator:
+    try:
+        return PromptEstimator(cached_model_tokenizer(config, settings.model_name))
+    except Exception as exc:  # noqa: BLE001 - any load failure falls back to the byte bound
+        return PromptEstimator(None, f"tokenizer unavailable: {type(exc).__name__}")
+
+
+def request_worst_case(price: Price, prompt_upper: int, max_tokens: int) -> float:
+    return price.cost(prompt_upper, max_tokens)
+
+
+def _mean_completion_tokens(cache_path: Path, index: Mapping[str, tuple[int, int]], limit: int = 200) -> float | None:
+    from eagledata.tokens.responses import parse_response
+
+    values = []
+    with open(cache_path, "rb") as fh:
+        for offset, length in list(index.values())[:limit]:
+            fh.seek(offset)
+            rec = json.loads(fh.read(length))
+            if rec.get("status") == 200:
+                n = parse_response(rec.get("response_raw") or "").completion_tokens
+                if n is not None:
+                    values.append(n)
+    return sum(values) / len(values) if values else None
+
+
+def plan_dataset(config: Mapping[str, Any], name: str, estimator: PromptEstimator | None = None) -> dict[str, Any]:
+    """The plan of one dataset (see the module docstring)."""
+    from eagledata.generate.job import ResponseCache, dataset_work
+
+    s = dataset_settings(config, name)
+    if s.imported:
+        return {"dataset": name, "backend": "import", "samples": None, "cached": None, "to_request": 0,
+                "cost_low": 0.0, "cost_expected": 0.0, "cost_worst": 0.0, "note": f"imported from {s.responses}"}
+    estimator = estimator or load_estimator(config, s)
+    try:
+        work = dataset_work(config, name, tokenizer=estimator.tokenizer)
+    except Exception as exc:  # noqa: BLE001 - e.g. the simulator's tokenizer is not built yet
+        from eagledata.generate.preflight import tokenizer_problem, workflow_built
+
+        why = f"{type(exc).__name__}: {str(exc)[:120]}"
+        if tokenizer_problem(s.model, s.model_name):  # say so, not what a hub lookup of the path said
+            why = (f"tokenizer {s.model['tokenizer']} is built by the workflow and not built yet"
+                   if workflow_built(s.model["tokenizer"], config) else tokenizer_problem(s.model, s.model_name))
+        return {"dataset": name, "backend": s.backend, "samples": None, "cached": None, "to_request": 0,
+                "cost_low": 0.0, "cost_expected": None, "cost_worst": 0.0,
+                "note": f"cannot compute the requests yet ({why})"}
+    cache = ResponseCache(Path(config["cache_dir"]) / name / "responses.jsonl")
+    index = cache.load()
+    todo = {it.cache_key: it for it in work.items if it.cache_key not in index}
+    price = price_bound(s)
+    max_tokens = int(s.generation.get("max_tokens", 4096))
+    prompt_est = prompt_upper = 0
+    for it in todo.values():
+        est, upper = estimator.count(it.chat_request.get("messages"), it.chat_request.get("tools"), it.chat_request.get("reasoning"))
+        prompt_est += est
+        prompt_upper += upper
+    mean = _mean_completion_tokens(cache.path, index) if index and todo else None
+    n = len(todo)
+    return {"dataset": name, "backend": s.backend, "model": s.api_model, "samples": len(work.items),
+            "cached": sum(1 for it in work.items if it.cache_key in index), "to_request": n,
+            "prompt_tokens": prompt_est, "max_tokens": max_tokens,
+            "price_per_mtok": {"prompt": price.prompt, "completion": price.completion, "source": price.source},
+            "cost_low": price.cost(prompt_est, n), "cost_expected": price.cost(prompt_est, n * mean) if mean is not None else None,
+            "cost_worst": price.cost(prompt_upper, n * max_tokens), "mean_completion_tokens": mean,
+            "prompt_estimate": estimator.method,
+            "dataset_budget_usd": (config["datasets"][name].get("budget_usd"))}
+
+
+def plan(config: Mapping[str, Any], datasets: list[str] | None = None) -> dict[str, Any]:
+    from eagledata.generate.budget import BudgetLedger, ledger_path
+
+    from eagledata.generate.preflight import tokenizer_problem, workflow_built
+
+    names = datasets or list(config["datasets"])
+    rows = [plan_dataset(config, n) for n in names]
+    for row in rows:
+        model_name = config["datasets"][row["dataset"]]["model"]
+        model = config["models"][model_name]
+        built = workflow_built(model["tokenizer"], config) and not Path(model["tokenizer"]).exists()
+        row["preflight"] = None if built else tokenizer_problem(model, model_name)
+    path = ledger_path(config["cache_dir"])
+    spent = held = 0.0
+    if path.exists():
+        ledger = BudgetLedger(path)
+        try:
+            for t in ledger.totals().values():
+                spent += t["spent"]
+                held += t["held"]
+        finally:
+            ledger.close()
+    budget = config.get("budget_usd")
+    worst = sum(r["cost_worst"] for r in rows)
+    return {"datasets": rows, "budget_usd": budget, "spent_usd": spent, "held_usd": held,
+            "remaining_usd": None if budget is None else budget - spent - held,
+            "cost_low": sum(r["cost_low"] for r in rows), "cost_worst": worst, "ledger": str(path)}
+
+
+def format_plan(p: Mapping[str, Any]) -> str:
+    def usd(v: float | None) -> str:
+        return "-" if v is None else f"${v:,.4f}"
+
+    head = f"{'dataset':<16} {'backend':<10} {'samples':>8} {'cached':>8} {'request':>8} {'low':>11} {'expected':>11} {'worst':>11}  prompt estimate"
+    lines = [head, "-" * len(head)]
+    for r in p["datasets"]:
+        if r.get("samples") is None:
+            lines.append(f"{r['dataset']:<16} {r['backend']:<10} {'-':>8} {'-':>8} {'-':>8} {'-':>11} {'-':>11} {'-':>11}  {r['note']}")
+            continue
+        lines.append(f"{r['dataset']:<16} {r['backend']:<10} {r['samples']:>8} {r['cached']:>8} {r['to_request']:>8} "
+                     f"{usd(r['cost_low']):>11} {usd(r['cost_expected']):>11} {usd(r['cost_worst']):>11}  {r['prompt_estimate']}")
+    lines.append(f"total: {sum(r['to_request'] for r in p['datasets'])} request(s), cost {usd(p['cost_low'])} .. {usd(p['cost_worst'])} (worst case)")
+    if p["budget_usd"] is None:
+        lines.append(f"budget_usd: none set (ledger {p['ledger']}: spent {usd(p['spent_usd'])}, held {usd(p['held_usd'])})")
+    else:
+        lines.append(f"budget_usd {p['budget_usd']:g}: spent {usd(p['spent_usd'])}, held {usd(p['held_usd'])}, "
+                     f"remaining {usd(p['remaining_usd'])} (ledger {p['ledger']})")
+        if p["remaining_usd"] is not None and p["cost_worst"] > p["remaining_usd"]:
+            lines.append("note: the worst case exceeds what is left; generation stops starting requests at the budget "
+                         "(completed responses stay cached)")
+    for r in p["datasets"]:
+        if r.get("preflight"):
+            lines.append(f"error: {r['dataset']}: {r['preflight']} (generation would stop before its first request)")
+    for r in p["datasets"]:
+        if r.get("price_per_mtok") and r["price_per_mtok"]["prompt"] == 0 and r["price_per_mtok"]["completion"] == 0 \
+                and r["backend"] == "openrouter":
+            lines.append(f"warning: {r['dataset']}: price_per_mtok is 0, so costs are estimated as $0 and the budget "
+                         f"cannot reserve anything: set models.<name>.price_per_mtok or provider.max_price")
+    return "\n".join(lines)
+
+
+def cmd_plan(args: Any) -> int:
+    """``eagledata plan [DATASET...]``: see the module docstring."""
+    import sys
+
+    from eagledata.config import ConfigError, load_config
+
+    try:
+        config = load_config(args.config)
+    except (ConfigError, OSError) as exc:
+        print(f"eagledata plan: {exc}", file=sys.stderr)
+        return 2
+    unknown = [d for d in args.datasets if d not in config["datasets"]]
+    if unknown:
+        print(f"eagledata plan: unknown dataset(s) {unknown}; defined: {sorted(config['datasets'])}", file=sys.stderr)
+        return 2
+    p = plan(config, args.datasets or None)
+    print(json.dumps(p, indent=1) if args.json else format_plan(p))
+    return 1 if any(r.get("preflight") for r in p["datasets"]) else 0

@@ -1,0 +1,135 @@
+"""Chat-template rendering compatible with Hugging Face's template environment.
+
+The environment matches what ``apply_chat_template`` gives templates: ``trim_blocks``,
+``lstrip_blocks``, the loop-controls extension, a ``tojson`` filter accepting ``ensure_ascii``,
+``indent``, ``separators`` and ``sort_keys``, ``raise_exception`` and ``strftime_now``. Prompt ids are
+the rendered text encoded with special-token parsing on, as a serving stack does with a template.
+
+Tools are declared the way the model's own tokenizer code declares them (the family's
+``tool_declaration``, carried by the loaded tokenizer): ``json`` hands ``tools`` to the template as
+given; ``typescript`` (Kimi K2.5, K2 Thinking) deep-sorts them by key and passes the TypeScript-style
+declaration as ``tools_ts_str`` too, falling back to the sorted JSON when the declaration cannot
+express a schema, exactly as Kimi's ``apply_chat_template`` does.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from typing import Any, Mapping, Sequence
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from eagledata.text.tokenizer import Tokenizer
+from eagledata.text.tool_declaration import ToolDeclarationError, deep_sort, typescript_tool_declaration
+
+
+class ChatTemplateError(Exception):
+    pass
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: Sequence[str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                      separators=tuple(separators) if separators else None, sort_keys=sort_keys)
+
+
+def _raise(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+@lru_cache(maxsize=16)
+def _compile(template: str):
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def render_chat(
+    template: str,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+    thinking: bool | None = None,
+    **extra: Any,
+) -> str:
+    """Render ``messages`` (and ``tools``) to the prompt text. ``thinking=None`` leaves the
+    template's default; ``False`` asks a thinking template for its no-thinking prompt."""
+    kwargs: dict[str, Any] = dict(messages=list(messages), tools=list(tools) if tools else None,
+                                  add_generation_prompt=add_generation_prompt, **extra)
+    if thinking is not None:
+        kwargs["thinking"] = thinking
+    try:
+        return _compile(template).render(**kwargs)
+    except TemplateError as exc:
+        raise ChatTemplateError(f"chat template failed: {exc}") from exc
+
+
+def declare_tools(tools: Sequence[Mapping[str, Any]] | None, tool_declaration: str) -> tuple[list | None, dict[str, Any]]:
+    """(tools, extra template variables) as the model's tokenizer code hands them to the template."""
+    if not tools:
+        return None, {}
+    if tool_declaration == "json":
+        return list(tools), {}
+    if tool_declaration != "typescript":
+        raise ChatTemplateError(f"unknown tool declaration {tool_declaration!r} (json | typescript)")
+    tools = deep_sort(list(tools))
+    try:
+        declaration = typescript_tool_declaration(tools)
+    except ToolDeclarationError:
+        declaration = ""  # Kimi's code falls back to the (sorted) JSON in the template
+    return tools, ({"tools_ts_str": declaration} if declaration else {})
+
+
+def tool_declaration_of(tokenizer: Tokenizer) -> str:
+    """The tool declaration the tokenizer's model family uses (``json`` when it does not say)."""
+    return getattr(tokenizer, "tool_declaration", "json")
+
+
+def prompt_text(
+    tokenizer: Tokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    thinking: bool | None = None,
+    template: str | None = None,
+    add_generation_prompt: bool = True,
+    tool_declaration: str | None = None,
+) -> str:
+    """The rendered prompt text for ``messages``; ``tool_declaration`` overrides the tokenizer's
+    (``json`` renders what a provider that ignores the model's tokenizer code renders)."""
+    tmpl = template or tokenizer.chat_template
+    if not tmpl:
+        raise ChatTemplateError(f"tokenizer {tokenizer.source} has no chat template; set chat_template in the model config")
+    declared, extra = declare_tools(tools, tool_declaration or tool_declaration_of(tokenizer))
+    return render_chat(tmpl, messages, declared, add_generation_prompt=add_generation_prompt, thinking=thinking, **extra)
+
+
+def prompt_ids(
+    tokenizer: Tokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    thinking: bool | None = None,
+    template: str | None = None,
+    add_generation_prompt: bool = True,
+    tool_declaration: str | None = None,
+) -> list[int]:
+    """Token ids of the prompt the model sees for ``messages`` (see :func:`prompt_text`)."""
+    text = prompt_text(tokenizer, messages, tools, thinking, template, add_generation_prompt, tool_declaration)
+    return tokenizer.encode_with_specials(text)
+
+
+def request_thinking(request: Mapping[str, Any]) -> bool | None:
+    """Whether an OpenRouter request body asked for thinking (``reasoning.enabled``/``effort``).
+
+    ``None`` when the request does not say (the model's default applies)."""
+    reasoning = request.get("reasoning")
+    if not isinstance(reasoning, Mapping):
+        return None
+    if reasoning.get("enabled") is False or reasoning.get("effort") == "none":
+        return False
+    return True

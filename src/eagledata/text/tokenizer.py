@@ -1,0 +1,322 @@
+"""Tokenizers with exact plain-text encoding, special ids by name, and a load-time self-check.
+
+Three sources are supported (see :func:`load_tokenizer`):
+
+* a tiktoken directory (``tiktoken.model``, ``tokenizer_config.json``, ``pattern.txt``, optional
+  ``chat_template.jinja``), as in ``shared/tokenizers/kimi-k2.5``;
+* a published Kimi model directory (``tiktoken.model``, ``tokenizer_config.json``,
+  ``tokenization_kimi.py``, chat template): loaded from its data files with the family's known
+  pattern, never executing the shipped code (it fails on transformers >= 5);
+* any Hugging Face tokenizer directory or hub id through ``AutoTokenizer``.
+
+Contract of every tokenizer:
+
+* ``encode_plain(text)`` never turns text into special ids (``"<|im_end|>"`` written by a model
+  stays ordinary tokens); for Kimi it equals Kimi's own tokenizer on the same text, including its
+  long-input splitting rule.
+* ``encode_with_specials(text)`` parses special-token text (used for rendered chat prompts, as
+  the model's chat template path does).
+* ``special_id(name)`` looks ids up by name; nothing in this package types an id in.
+* ``fingerprint`` hashes vocabulary, special tokens and chat template.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Protocol, Sequence
+
+from eagledata.text.families import ModelFamily
+
+TIKTOKEN_MAX_ENCODE_CHARS = 400_000
+MAX_NO_WHITESPACES_CHARS = 25_000
+_LONG_RUN = re.compile(r"\s{%d,}|\S{%d,}" % (MAX_NO_WHITESPACES_CHARS + 1, MAX_NO_WHITESPACES_CHARS + 1))
+
+
+class TokenizerError(Exception):
+    """A tokenizer could not be loaded or failed its self-check (continuing would corrupt ids)."""
+
+
+class TokenizerSelfCheckError(TokenizerError):
+    def __init__(self, name: str, token_id: int | None, problem: str, source: str):
+        self.name, self.token_id, self.problem, self.source = name, token_id, problem, source
+        super().__init__(f"tokenizer {source}: special token {name!r} (id {token_id}) failed self-check: {problem}")
+
+
+class Tokenizer(Protocol):
+    source: str
+    chat_template: str | None
+    fingerprint: str
+    vocab_size: int
+    #: how the model's tokenizer code declares tools to the chat template (the family's setting)
+    tool_declaration: str
+
+    def encode_plain(self, text: str) -> list[int]: ...
+    def encode_with_specials(self, text: str) -> list[int]: ...
+    def decode(self, ids: Sequence[int]) -> str: ...
+    def special_id(self, name: str) -> int: ...
+    def is_special_id(self, token_id: int) -> bool: ...
+    def special_names(self) -> dict[str, int]: ...
+
+
+def split_for_kimi(text: str) -> Iterator[str]:
+    """Cut ``text`` the way Kimi's tokenizer does before encoding: 400,000-character windows, and
+    runs of whitespace or of non-whitespace longer than 25,000 characters split into pieces."""
+    if len(text) <= TIKTOKEN_MAX_ENCODE_CHARS and (
+        len(text) <= MAX_NO_WHITESPACES_CHARS or not _LONG_RUN.search(text)
+    ):
+        yield text
+        return
+    for i in range(0, len(text), TIKTOKEN_MAX_ENCODE_CHARS):
+        yield from _split_runs(text[i : i + TIKTOKEN_MAX_ENCODE_CHARS], MAX_NO_WHITESPACES_CHARS)
+
+
+def _split_runs(s: str, max_len: int) -> Iterator[str]:
+    run_len = 0
+    run_is_space = s[0].isspace() if s else False
+    start = 0
+    for i, ch in enumerate(s):
+        is_space = ch.isspace()
+        if run_is_space ^ is_space:
+            run_len = 1
+            run_is_space = is_space
+        else:
+            run_len += 1
+            if run_len > max_len:
+                yield s[start:i]
+                start = i
+                run_len = 1
+    yield s[start:]
+
+
+def _sha256_parts(parts: Iterable[bytes]) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(len(p).to_bytes(8, "little"))
+        h.update(p)
+    return h.hexdigest()
+
+
+def read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
+    """Read a ``base64(bytes) rank`` file; errors name the file and line."""
+    ranks: dict[bytes, int] = {}
+    with open(path, "rb") as fh:
+        for lineno, line in enumerate(fh, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                tok, rank = line.split()
+                ranks[base64.b64decode(tok)] = int(rank)
+            except Exception as exc:  # noqa: BLE001 - reported with location
+                raise TokenizerError(f"{path}:{lineno}: not a 'base64 rank' line ({exc})") from None
+    return ranks
+
+
+@dataclass
+class TiktokenTokenizer:
+    """Tokenizer over a tiktoken BPE with a named special range above the ranks."""
+
+    source: str
+    encoding: "object"  # tiktoken.Encoding
+    specials: dict[str, int]
+    chat_template: str | None
+    fingerprint: str
+    vocab_size: int
+    tool_declaration: str = "json"
+
+    def encode_plain(self, text: str) -> list[int]:
+        enc = self.encoding.encode_ordinary  # type: ignore[attr-defined]
+        out: list[int] = []
+        for piece in split_for_kimi(text):
+            out.extend(enc(piece))
+        return out
+
+    def encode_with_specials(self, text: str) -> list[int]:
+        enc = self.encoding.encode  # type: ignore[attr-defined]
+        out: list[int] = []
+        for piece in split_for_kimi(text):
+            out.extend(enc(piece, allowed_special="all", disallowed_special=()))
+        return out
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.encoding.decode(list(ids))  # type: ignore[attr-defined]
+
+    def decode_bytes(self, ids: Sequence[int]) -> bytes:
+        return self.encoding.decode_bytes(list(ids))  # type: ignore[attr-defined]
+
+    def special_id(self, name: str) -> int:
+        try:
+            return self.specials[name]
+        except KeyError:
+            raise TokenizerError(f"tokenizer {self.source}: no special token named {name!r}") from None
+
+    def __post_init__(self) -> None:
+        self.first_special_id = min(self.specials.values())
+
+    def is_special_id(self, token_id: int) -> bool:
+        return token_id >= self.first_special_id
+
+    def special_names(self) -> dict[str, int]:
+        return dict(self.specials)
+
+
+def _special_table(config: dict, n_ranks: int, special_range: int, source: Path) -> dict[str, int]:
+    named: dict[str, int] = {}
+    for sid, entry in (config.get("added_tokens_decoder") or {}).items():
+        try:
+            named[entry["content"]] = int(sid)
+        except (KeyError, ValueError, TypeError):
+            raise TokenizerError(f"{source}: added_tokens_decoder[{sid!r}] has no usable 'content'/id") from None
+    taken = set(named.values())
+    for i in range(n_ranks, n_ranks + special_range):
+        if i not in taken:
+            named[f"<|reserved_token_{i}|>"] = i
+    bad = {n: i for n, i in named.items() if i < n_ranks}
+    if bad:
+        raise TokenizerError(f"{source}: special tokens inside the BPE rank range: {bad}")
+    return named
+
+
+def _read_template(directory: Path, config: dict, override: str | Path | None) -> str | None:
+    if override:
+        return Path(override).read_text(encoding="utf-8")
+    jinja = directory / "chat_template.jinja"
+    if jinja.exists():
+        return jinja.read_text(encoding="utf-8")
+    tmpl = config.get("chat_template")
+    return tmpl if isinstance(tmpl, str) else None
+
+
+def load_tiktoken_dir(directory: str | Path, family: ModelFamily, chat_template: str | Path | None = None) -> TiktokenTokenizer:
+    """Load a tiktoken-format directory (shared/tokenizers layout or a published Kimi model dir).
+
+    The pattern comes from ``pattern.txt`` when present, else from the family. Shipped Python code
+    (``tokenization_kimi.py``) is never imported.
+    """
+    import tiktoken
+
+    directory = Path(directory)
+    model_file = directory / "tiktoken.model"
+    cfg_file = directory / "tokenizer_config.json"
+    if not model_file.exists():
+        raise TokenizerError(f"{directory}: no tiktoken.model")
+    config = json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.exists() else {}
+    pattern_file = directory / "pattern.txt"
+    pattern = pattern_file.read_text(encoding="utf-8").strip() if pattern_file.exists() else family.pattern
+    ranks = read_tiktoken_ranks(model_file)
+    specials = _special_table(config, len(ranks), family.special_range, cfg_file)
+    template = _read_template(directory, config, chat_template)
+    encoding = tiktoken.Encoding(
+        name=f"eagledata:{directory.name}", pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials
+    )
+    fingerprint = _sha256_parts(
+        [
+            hashlib.sha256(model_file.read_bytes()).digest(),
+            pattern.encode(),
+            json.dumps(sorted(specials.items(), key=lambda kv: kv[1])).encode(),
+            (template or "").encode(),
+        ]
+    )
+    vocab_size = max(len(ranks) + family.special_range, max(specials.values()) + 1)
+    return TiktokenTokenizer(str(directory), encoding, specials, template, fingerprint, vocab_size)
+
+
+@dataclass
+class HFTokenizer:
+    """Adapter over a Hugging Face tokenizer (``AutoTokenizer``)."""
+
+    source: str
+    tok: "object"
+    chat_template: str | None
+    fingerprint: str
+    vocab_size: int
+    tool_declaration: str = "json"
+
+    def encode_plain(self, text: str) -> list[int]:
+        return list(self.tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])  # type: ignore[operator]
+
+    def encode_with_specials(self, text: str) -> list[int]:
+        return list(self.tok(text, add_special_tokens=False)["input_ids"])  # type: ignore[operator]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)  # type: ignore[attr-defined]
+
+    def special_id(self, name: str) -> int:
+        vocab = self.tok.get_vocab()  # type: ignore[attr-defined]
+        if name not in vocab:
+            raise TokenizerError(f"tokenizer {self.source}: no token named {name!r}")
+        return int(vocab[name])
+
+    def special_names(self) -> dict[str, int]:
+        return {t.content: int(i) for i, t in self.tok.added_tokens_decoder.items()}  # type: ignore[attr-defined]
+
+    def is_special_id(self, token_id: int) -> bool:
+        return token_id in self.tok.added_tokens_decoder  # type: ignore[attr-defined]
+
+
+def load_hf(source: str, trust_remote_code: bool = False, chat_template: str | Path | None = None) -> HFTokenizer:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    template = Path(chat_template).read_text(encoding="utf-8") if chat_template else getattr(tok, "chat_template", None)
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    fingerprint = _sha256_parts(
+        [
+            json.dumps(vocab, ensure_ascii=False).encode(),
+            json.dumps(sorted((int(i), t.content) for i, t in tok.added_tokens_decoder.items())).encode(),
+            (template or "").encode(),
+        ]
+    )
+    return HFTokenizer(str(source), tok, template, fingerprint, len(tok))
+
+
+def load_tokenizer(
+    source: str | Path,
+    family: ModelFamily,
+    kind: str = "auto",
+    trust_remote_code: bool = False,
+    chat_template: str | Path | None = None,
+    check: bool = True,
+) -> Tokenizer:
+    """Load a tokenizer and run :func:`self_check` over the family's special tokens.
+
+    ``kind``: ``tiktoken`` (tiktoken dir or published Kimi dir, never executing shipped code),
+    ``hf`` (``AutoTokenizer``), or ``auto``: ``tiktoken`` when the directory holds
+    ``tiktoken.model``, else ``hf``.
+    """
+    path = Path(source)
+    if kind == "auto":
+        kind = "tiktoken" if (path / "tiktoken.model").exists() else "hf"
+    if kind == "tiktoken":
+        tok: Tokenizer = load_tiktoken_dir(path, family, chat_template)
+    elif kind == "hf":
+        tok = load_hf(str(source), trust_remote_code=trust_remote_code, chat_template=chat_template)
+    else:
+        raise TokenizerError(f"unknown tokenizer kind {kind!r} (tiktoken | hf | auto)")
+    tok.tool_declaration = family.tool_declaration
+    if check:
+        self_check(tok, family.required_specials())
+    return tok
+
+
+def self_check(tok: Tokenizer, names: Iterable[str]) -> None:
+    """For every name: its id decodes to exactly the name, and the name encodes (specials
+    allowed) to exactly ``[id]``. Raises :class:`TokenizerSelfCheckError` on the first failure."""
+    for name in names:
+        try:
+            tid = tok.special_id(name)
+        except TokenizerError:
+            raise TokenizerSelfCheckError(name, None, "not in the tokenizer", tok.source) from None
+        decoded = tok.decode([tid])
+        if decoded != name:
+            raise TokenizerSelfCheckError(name, tid, f"id decodes to {decoded!r}", tok.source)
+        encoded = tok.encode_with_specials(name)
+        if encoded != [tid]:
+            raise TokenizerSelfCheckError(name, tid, f"name encodes to {encoded}", tok.source)
+        if tok.encode_plain(name) == [tid]:
+            raise TokenizerSelfCheckError(name, tid, "plain-text encoding produced the special id", tok.source)

@@ -1,0 +1,360 @@
+"""Per-sample checks and verdicts: every token id proven against the provider's billed counts, or
+flagged with a machine-readable reason and a human sentence.
+
+Verdicts:
+
+* ``exact``: completion (and, where reported, reasoning and prompt) counts match the provider's
+  billed counts under the provider's count convention, and every structural check passes;
+* ``repaired``: as exact, but the text needed a known repair (a rebuilt tool-call id, tool markup
+  moved out of text, reasoning split out of content);
+* ``mismatch``: any blocking reason (counts differ, truncated, lossy text, broken structure, ...);
+* ``error``: the provider answered with an error (HTTP, in a 200 body, mid-stream) or garbage.
+
+Count conventions (only these are accepted, never a learned offset): ``counts_eot`` (billed
+completion tokens include the final end-of-turn token) and ``excludes_eot``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+from eagledata.text.families import ModelFamily
+from eagledata.tokens.samples import Sample
+from eagledata.text.tokenizer import Tokenizer
+
+COUNTS_EOT = "counts_eot"
+EXCLUDES_EOT = "excludes_eot"
+CONVENTIONS = (COUNTS_EOT, EXCLUDES_EOT)
+
+#: code -> (severity, sentence). severity: error | block | repair | info
+REASONS: dict[str, tuple[str, str]] = {
+    "http_error": ("error", "the provider answered with an HTTP error status"),
+    "error_in_body": ("error", "the provider returned an error object inside an HTTP 200 body"),
+    "error_mid_stream": ("error", "the stream carried an error or ended before finishing"),
+    "finish_error": ("error", "finish_reason is 'error': generation failed upstream"),
+    "malformed_body": ("error", "the response body is not valid JSON or SSE"),
+    "prompt_unrenderable": ("error", "the request's messages could not be rendered with the chat template"),
+    "truncated": ("block", "the completion was cut at max_tokens (finish_reason 'length'): no end-of-turn"),
+    "empty_response": ("block", "the response has no reasoning, no content and no tool calls"),
+    "lossy_text": ("block", "returned text contains U+FFFD: bytes were lost, the ids cannot be proven"),
+    "completion_count_missing": ("block", "usage.completion_tokens is missing: nothing to prove the ids against"),
+    "completion_count_mismatch": ("block", "our completion token count differs from usage.completion_tokens under the provider's convention"),
+    "reasoning_count_mismatch": ("block", "our reasoning token count differs from completion_tokens_details.reasoning_tokens (equal or +1 for </think> allowed)"),
+    "prompt_count_mismatch": ("block", "our rendered prompt's token count differs from usage.prompt_tokens"),
+    "unknown_count_convention": ("block", "the provider's counts follow neither known convention (end-of-turn counted or not)"),
+    "reasoning_missing": ("block", "thinking was requested but the response carries no reasoning"),
+    "reasoning_unexpected": ("block", "reasoning text returned for a model or request without thinking"),
+    "think_close_count": ("block", "a thinking completion must contain exactly one </think>"),
+    "tool_section_malformed": ("block", "the tool-call section's special tokens are not well formed"),
+    "end_of_turn_misplaced": ("block", "end-of-turn must be the last token exactly when the model stopped"),
+    "special_in_text": ("block", "a special-token id appears inside a text segment"),
+    "decode_mismatch": ("block", "decoding our ids does not give back the provider's text"),
+    "tool_call_malformed": ("block", "a tool call has no function name"),
+    "text_after_tool_section": ("block", "text follows the tool-call section in the returned markup"),
+    "tool_id_rebuilt": ("repair", "a tool-call id was not the model's native functions.NAME:IDX and was rebuilt"),
+    "tool_markup_in_content": ("repair", "tool calls came as raw markup inside content and were moved to the tool section"),
+    "tool_markup_in_reasoning": ("repair", "tool calls came as raw markup inside reasoning and were moved to the tool section"),
+    "reasoning_in_content": ("repair", "reasoning came inside content between think tags and was split out"),
+    "whitespace_restored": ("repair", "the provider stripped a leading space; restoring it is the unique candidate matching the billed counts"),
+    "tool_arguments_respaced": ("repair", "the provider re-serialized tool arguments as compact JSON; the model's spacing is the unique candidate matching the billed counts"),
+    "repair_ambiguous": ("block", "more than one repair candidate matches the billed counts: the ids cannot be singled out"),
+    "whitespace_ambiguous": ("block", "this provider strips leading spaces and the counts match with and without one: the ids cannot be singled out"),
+    "ground_truth_ids": ("info", "the completion ids came from the serving engine itself (no reconstruction)"),
+    "text_path_differs": ("info", "reconstructing from the returned text would have given different ids than the engine returned"),
+    "prompt_path_differs": ("info", "the engine's prompt ids differ from our chat-template rendering (the engine's are used)"),
+    "tool_id_index_unexpected": ("info", "a native tool-call id's index differs from the conversation-wide count"),
+    "reasoning_count_unreported": ("info", "the provider reports 0 reasoning tokens for a response with reasoning"),
+    "reasoning_count_unchecked": ("info", "this provider's reasoning_tokens is learned not to be a checksum (it disagrees "
+                                  "in both directions while the completion totals agree): the reasoning/content split "
+                                  "was not count-checked, the completion total was"),
+}
+
+_ERROR_CODES = {"http": "http_error", "body": "error_in_body", "stream": "error_mid_stream",
+                "finish": "finish_error", "malformed": "malformed_body"}
+
+
+@dataclass
+class SampleStats:
+    """The scalar facts of one sample that verdicts are computed from."""
+
+    id: str
+    provider: str
+    finish_reason: str | None
+    prompt_len: int
+    completion_len: int
+    reasoning_len: int
+    has_eot: bool
+    billed_prompt: int | None
+    billed_completion: int | None
+    billed_reasoning: int | None
+    codes: list[str] = field(default_factory=list)  # convention-independent reasons
+    has_tools: bool = False
+    #: our prompt length under other renderings a provider may use (e.g. ``json_tools``)
+    prompt_alt: dict[str, int] | None = None
+
+    def completion_diff(self, convention: str) -> int | None:
+        if self.billed_completion is None:
+            return None
+        ours = self.completion_len - (1 if convention == EXCLUDES_EOT and self.has_eot else 0)
+        return ours - self.billed_completion
+
+    @property
+    def prompt_diff(self) -> int | None:
+        return None if self.billed_prompt is None or self.prompt_len == 0 else self.prompt_len - self.billed_prompt
+
+    def reasoning_diff(self) -> int | None:
+        """Billed reasoning minus ours when the provider reports a positive count, else ``None``."""
+        br = self.billed_reasoning
+        return br - self.reasoning_len if br is not None and br > 0 else None
+
+
+def structural_codes(sample: Sample, tokenizer: Tokenizer, family: ModelFamily) -> list[str]:
+    """Convention-independent reasons of one sample (errors, structure, decode, flags)."""
+    codes: list[str] = []
+    p, rc = sample.parsed, sample.completion
+    if p.error is not None:
+        codes.append(_ERROR_CODES.get(p.error.where, "malformed_body"))
+    if sample.prompt_error:
+        codes.append("prompt_unrenderable")
+    codes.extend(f for f in rc.flags if f in REASONS)
+    if p.error is None:
+        if p.finish_reason == "length":
+            codes.append("truncated")
+        if not (p.reasoning or p.content or p.tool_calls):
+            codes.append("empty_response")
+        if rc.thinking and sample.thinking_requested is not False and not rc.segment_text("reasoning"):
+            codes.append("reasoning_missing")
+        if p.completion_tokens is None:
+            codes.append("completion_count_missing")
+    codes.extend(_structure_codes(rc, tokenizer, family, truncated=p.finish_reason == "length" or p.error is not None))
+    return list(dict.fromkeys(codes))
+
+
+_FAMILY_IDS: dict[tuple[str, str], tuple[int, ...]] = {}
+
+
+def _family_ids(tokenizer: Tokenizer, family: ModelFamily) -> tuple[int, ...]:
+    """(think_close, section_begin, section_end, call_begin, argument_begin, call_end, end_of_turn)."""
+    key = (tokenizer.fingerprint, family.name)
+    ids = _FAMILY_IDS.get(key)
+    if ids is None:
+        sid = tokenizer.special_id
+        think_close = sid(family.think_close) if family.thinking else -1
+        ids = _FAMILY_IDS[key] = (think_close, *(sid(n) for n in (
+            family.tool_section_begin, family.tool_section_end, family.tool_call_begin,
+            family.tool_argument_begin, family.tool_call_end, family.end_of_turn)))
+    return ids
+
+
+def _special_sequence(rc, first_special: int | None) -> list[int] | None:
+    """The special ids of the completion, in order, read off the segments when they tile the ids
+    and no text segment holds a special id (then nothing else can be special); else ``None``."""
+    if first_special is None:
+        return None
+    ids, pos, out = rc.ids, 0, []
+    for seg in rc.segments:
+        if seg.start != pos:
+            return None
+        if seg.text is None:
+            if seg.end - seg.start != 1:
+                return None
+            if ids[seg.start] >= first_special:
+                out.append(ids[seg.start])
+        pos = seg.end
+    return out if pos == len(ids) else None
+
+
+def _decoder(tokenizer: Tokenizer):
+    """``tokenizer.decode`` for a list of ids; straight to tiktoken's bytes decoder when there is one
+    (the same text: UTF-8 with replacement, as tiktoken's own ``decode``)."""
+    encoding = getattr(tokenizer, "encoding", None)
+    decode_bytes = getattr(encoding, "decode_bytes", None)
+    if decode_bytes is None:
+        return tokenizer.decode
+    return lambda ids: decode_bytes(ids).decode("utf-8", "replace")
+
+
+def _structure_codes(rc, tokenizer: Tokenizer, family: ModelFamily, truncated: bool) -> list[str]:
+    ids = rc.ids
+    codes = []
+    think_close, begin, end, call_begin, arg_begin, call_end, eot = _family_ids(tokenizer, family)
+    first_special = getattr(tokenizer, "first_special_id", None)
+    decode = _decoder(tokenizer)
+    text_clean = True
+    for seg in rc.segments:
+        if seg.text is None:
+            continue
+        seg_ids = ids[seg.start:seg.end]
+        if first_special is not None:
+            has_special = max(seg_ids, default=-1) >= first_special
+        else:
+            has_special = any(tokenizer.is_special_id(t) for t in seg_ids)
+        if has_special:
+            codes.append("special_in_text")
+            text_clean = False
+        if decode(seg_ids) != seg.text:
+            codes.append("decode_mismatch")
+    specials = _special_sequence(rc, first_special) if text_clean else None
+    seq = specials if specials is not None else ids  # the short list when the segments vouch for it
+    if rc.thinking and not truncated and seq.count(think_close) != 1:
+        codes.append("think_close_count")
+    n_begin, n_end = seq.count(begin), seq.count(end)
+    if n_begin != n_end or n_begin > 1:
+        codes.append("tool_section_malformed")
+    elif n_begin == 1:
+        b, e = seq.index(begin), seq.index(end)
+        order = [t for t in seq[b:e + 1] if t in (call_begin, arg_begin, call_end)]
+        triple = [call_begin, arg_begin, call_end]
+        if b > e or len(order) % 3 or any(order[i:i + 3] != triple for i in range(0, len(order), 3)):
+            codes.append("tool_section_malformed")
+    n_eot = seq.count(eot)
+    if rc.stopped != (n_eot == 1 and bool(ids) and ids[-1] == eot) or n_eot > 1:
+        codes.append("end_of_turn_misplaced")
+    return list(dict.fromkeys(codes))
+
+
+def sample_stats(sample: Sample, tokenizer: Tokenizer, family: ModelFamily) -> SampleStats:
+    p, rc = sample.parsed, sample.completion
+    return SampleStats(
+        id=sample.id,
+        provider=p.provider or "unknown",
+        finish_reason=p.finish_reason,
+        prompt_len=len(sample.prompt_ids),
+        completion_len=len(rc.ids),
+        reasoning_len=rc.reasoning_tokens,
+        has_eot=rc.stopped,
+        billed_prompt=p.prompt_tokens,
+        billed_completion=p.completion_tokens,
+        billed_reasoning=p.reasoning_tokens,
+        codes=structural_codes(sample, tokenizer, family),
+        has_tools=bool(sample.request.get("tools")),
+    )
+
+
+def learn_conventions(stats: Iterable[SampleStats]) -> dict[str, dict]:
+    """Per provider, and per provider and finish reason: which known convention its billed
+    completion counts follow.
+
+    Only samples ending in end-of-turn tell the conventions apart; the convention with more exact
+    agreements wins (``counts_eot`` on a tie); a group none of whose samples agree under either is
+    ``unknown``. Serving stacks may count differently after a tool-call section than after plain
+    text, so each finish reason gets its own convention when its samples support one; it falls
+    back to the provider's overall convention otherwise. Only the two known conventions are ever
+    accepted, never an offset."""
+    support: dict[str, Counter] = {}
+    by_finish: dict[tuple[str, str], Counter] = {}
+    for s in stats:
+        c = support.setdefault(s.provider, Counter())
+        f = by_finish.setdefault((s.provider, s.finish_reason or ""), Counter())
+        if not s.has_eot or s.billed_completion is None or any(REASONS[k][0] == "error" for k in s.codes):
+            continue
+        for conv in CONVENTIONS:
+            if s.completion_diff(conv) == 0:
+                c[conv] += 1
+                f[conv] += 1
+    out: dict[str, dict] = {}
+    for provider, c in support.items():
+        out[provider] = {"convention": _pick(c), "support": dict(c), "by_finish": {}}
+    for (provider, finish), c in by_finish.items():
+        if c:
+            out[provider]["by_finish"][finish] = {"convention": _pick(c), "support": dict(c)}
+    return out
+
+
+def _pick(c: Counter) -> str:
+    if not c:
+        return "unknown"
+    return max(CONVENTIONS, key=lambda k: (c[k], k == COUNTS_EOT))
+
+
+def convention_for(conventions: Mapping[str, Mapping], provider: str, finish_reason: str | None) -> str:
+    """The convention a sample is judged under: its (provider, finish reason) group's, else the
+    provider's."""
+    p = conventions.get(provider) or {}
+    group = (p.get("by_finish") or {}).get(finish_reason or "")
+    return group["convention"] if group else p.get("convention", "unknown")
+
+
+def verdict(stats: SampleStats, convention: str, reasoning_checked: bool = True) -> tuple[str, list[str]]:
+    """(verdict, reasons) of one sample under its provider's convention. ``reasoning_checked=False``
+    (a provider whose reasoning count is learned not to be a checksum) leaves the reasoning split
+    unchecked and says so; the completion total is checked either way."""
+    codes = list(stats.codes)
+    if convention == "unknown":
+        if stats.billed_completion is not None and not _has(codes, "error"):
+            codes.append("unknown_count_convention")
+    else:
+        diff = stats.completion_diff(convention)
+        if diff not in (None, 0):
+            codes.append("completion_count_mismatch")
+    br = stats.billed_reasoning
+    if br is not None:
+        if br == 0 and stats.reasoning_len > 0:
+            codes.append("reasoning_count_unreported")
+        elif br > 0 and br not in (stats.reasoning_len, stats.reasoning_len + 1):
+            codes.append("reasoning_count_mismatch" if reasoning_checked else "reasoning_count_unchecked")
+    if stats.prompt_diff not in (None, 0):
+        codes.append("prompt_count_mismatch")
+    return verdict_of(codes), codes
+
+
+def verdict_of(codes: list[str]) -> str:
+    if _has(codes, "error"):
+        return "error"
+    if _has(codes, "block"):
+        return "mismatch"
+    if _has(codes, "repair"):
+        return "repaired"
+    return "exact"
+
+
+COUNT_CODES = frozenset({"completion_count_mismatch", "reasoning_count_mismatch"})
+
+
+def repairable(codes: list[str]) -> bool:
+    """A completion whose only blocking reasons are completion count differences (a repair may
+    explain them). A prompt count mismatch is judged separately: it keeps the sample a mismatch
+    either way, but the completion ids can still be repaired."""
+    blocking = {c for c in codes if REASONS[c][0] in ("block", "error")} - {"prompt_count_mismatch"}
+    return bool(blocking) and blocking <= COUNT_CODES
+
+
+def completion_verified(codes: list[str]) -> bool:
+    """Every completion-side check passes (the prompt may still differ)."""
+    return completion_verdict(codes) in ("exact", "repaired")
+
+
+#: Reasons about the prompt side only; every other reason is about the completion (or the whole
+#: record: an error, an unrenderable prompt).
+PROMPT_CODES = frozenset({"prompt_count_mismatch", "prompt_path_differs"})
+
+
+def completion_verdict(codes: list[str]) -> str:
+    """The completion's verdict (``exact`` | ``repaired`` | ``mismatch`` | ``error``): every reason
+    but the prompt-side ones."""
+    return verdict_of([c for c in codes if c not in PROMPT_CODES])
+
+
+def prompt_verdict(stats: SampleStats) -> str:
+    """The prompt's verdict: ``exact`` (our canonical rendering has the billed count), ``differs``,
+    ``unbilled`` (no prompt count to check against) or ``error`` (the prompt could not be rendered)."""
+    if "prompt_unrenderable" in stats.codes:
+        return "error"
+    diff = stats.prompt_diff
+    if diff is None:
+        return "unbilled"
+    return "exact" if diff == 0 else "differs"
+
+
+def _has(codes: list[str], severity: str) -> bool:
+    return any(REASONS[c][0] == severity for c in codes)
+
+
+def explain(codes: Iterable[str]) -> list[str]:
+    return [f"{c}: {REASONS[c][1]}" for c in codes]
+
+
+VERDICTS = ("exact", "repaired", "mismatch", "error")
+PROMPT_VERDICTS = ("exact", "differs", "unbilled", "error")

@@ -1,0 +1,123 @@
+"""What a dataset's samples teach about each provider, beyond its count convention
+(:func:`eagledata.tokens.checks.learn_conventions`):
+
+* **reasoning count reliability**: a provider whose ``reasoning_tokens`` disagrees with our reasoning
+  segment in *both* directions on samples whose completion totals agree exactly is learned as
+  "reasoning count is not a checksum". Its samples are judged on the completion total and the
+  structure; the verdict says the split was not count-checked. A provider that disagrees in one
+  direction only (e.g. a stripped space: reasoning one short *and* the total one short) is not
+  excused: those samples keep their mismatch (or their repair).
+* **prompt rendering variant**: a provider whose billed prompt counts are explained on every sample
+  by one rendering (ours, or the tools declared as JSON instead of the model's TypeScript style)
+  plus one constant, other than ours exactly, has a named variant (``offset+1``, ``json_tools``,
+  ``json_tools+offset-2``). It is reported, never applied: our prompt ids stay the canonical rendering
+  and the prompt verdict stays ``differs``.
+
+Both are learned from :class:`~eagledata.tokens.checks.SampleStats` only, so they can be summed from
+per-shard summaries.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Iterable, Mapping
+
+from eagledata.tokens.checks import REASONS, SampleStats, convention_for
+
+#: Fewer samples than this never make a rendering variant (one sample is not a pattern).
+MIN_VARIANT_SAMPLES = 3
+JSON_TOOLS = "json_tools"
+
+
+def learn_reasoning_reliability(stats: Iterable[SampleStats], conventions: Mapping[str, Mapping]) -> dict[str, dict[str, Any]]:
+    """Per provider: ``{"checksum": bool, "samples", "agree", "above", "below", "spread": [min, max]}``
+    over samples with a positive billed reasoning count whose completion total agrees (diffs are
+    billed minus ours; ``agree`` counts 0 and +1, the ``</think>``)."""
+    seen: dict[str, list[int]] = defaultdict(list)
+    for s in stats:
+        d = s.reasoning_diff()
+        if d is None or any(REASONS[c][0] == "error" for c in s.codes):
+            continue
+        conv = convention_for(conventions, s.provider, s.finish_reason)
+        if conv == "unknown" or s.completion_diff(conv) != 0:
+            continue
+        seen[s.provider].append(d)
+    out = {}
+    for provider, diffs in seen.items():
+        above = sum(d > 1 for d in diffs)
+        below = sum(d < 0 for d in diffs)
+        out[provider] = {"checksum": not (above and below), "samples": len(diffs), "agree": len(diffs) - above - below,
+                         "above": above, "below": below, "spread": [min(diffs), max(diffs)]}
+    return out
+
+
+def reasoning_checked(reliability: Mapping[str, Mapping[str, Any]], provider: str) -> bool:
+    return bool((reliability.get(provider) or {}).get("checksum", True))
+
+
+def learn_prompt_variants(stats: Iterable[SampleStats]) -> dict[str, dict[str, Any]]:
+    """Per provider with billed prompt counts: ``{"variant": NAME | None, "rendering", "offset",
+    "samples", "with_tools", "without_tools"}``. ``variant`` is ``None`` when our rendering matches
+    every prompt (``rendering: canonical, offset: 0``) or when no single rendering and constant explain
+    them all (``rendering: None``)."""
+    groups: dict[str, list[SampleStats]] = defaultdict(list)
+    for s in stats:
+        if s.prompt_diff is not None:
+            groups[s.provider].append(s)
+    return {provider: _variant_of(rows) for provider, rows in groups.items()}
+
+
+def _variant_of(rows: list[SampleStats]) -> dict[str, Any]:
+    """The provider's variant over all its prompts; when none explains them all, ``groups`` has the
+    variant of its prompts without tools and of those with tools, each learned on its own (a provider
+    may add one token to every plain prompt and declare tools its own way)."""
+    learned = _one_variant(rows)
+    if learned["rendering"] is None:
+        parts = {"without_tools": [s for s in rows if not s.has_tools], "with_tools": [s for s in rows if s.has_tools]}
+        learned["groups"] = {name: _one_variant(part) for name, part in parts.items() if part}
+    return learned
+
+
+def _one_variant(rows: list[SampleStats]) -> dict[str, Any]:
+    with_tools = sum(s.has_tools for s in rows)
+    base = {"samples": len(rows), "with_tools": with_tools, "without_tools": len(rows) - with_tools}
+    for rendering in ("canonical", JSON_TOOLS):
+        diffs = {_diff_under(s, rendering) for s in rows}
+        if len(diffs) != 1 or None in diffs:
+            continue
+        offset = diffs.pop()
+        if rendering == "canonical" and offset == 0:
+            return {"variant": None, "rendering": "canonical", "offset": 0, **base}
+        if len(rows) < MIN_VARIANT_SAMPLES:
+            break
+        return {"variant": variant_name(rendering, offset), "rendering": rendering, "offset": offset, **base}
+    return {"variant": None, "rendering": None, "offset": None, **base}
+
+
+def _diff_under(s: SampleStats, rendering: str) -> int | None:
+    """Ours minus billed under ``rendering`` (``None``: that rendering was not measured)."""
+    if rendering == "canonical" or not s.has_tools:
+        return s.prompt_diff
+    n = (s.prompt_alt or {}).get(rendering)
+    return None if n is None or s.billed_prompt is None else n - s.billed_prompt
+
+
+def variant_name(rendering: str, offset: int) -> str:
+    """``offset+1`` (ours is one token longer than billed on every prompt), ``json_tools``,
+    ``json_tools+offset-2``."""
+    parts = [] if rendering == "canonical" else [rendering]
+    if offset:
+        parts.append(f"offset{offset:+d}")
+    return "+".join(parts)
+
+
+def sample_variant(variants: Mapping[str, Mapping[str, Any]], s: SampleStats) -> str | None:
+    """The provider's learned variant when it explains this sample's differing prompt count."""
+    v = variants.get(s.provider) or {}
+    if not s.prompt_diff:
+        return None
+    if not v.get("variant"):
+        v = (v.get("groups") or {}).get("with_tools" if s.has_tools else "without_tools") or {}
+        if not v.get("variant"):
+            return None
+    return v["variant"] if _diff_under(s, v["rendering"]) == v["offset"] else None

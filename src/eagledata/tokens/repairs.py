@@ -1,0 +1,159 @@
+"""Repairs with evidence: undo a provider's known text transformation only when the billed counts
+single it out.
+
+Known transformations and their inverses:
+
+* ``whitespace_restored``: the provider stripped a leading space of reasoning or content (one
+  candidate per segment: a space put back);
+* ``tool_arguments_respaced``: the provider re-serialized tool-call arguments as compact JSON
+  (candidate: the arguments re-serialized with the model's usual ``", "`` / ``": "`` spacing).
+
+(Rewritten tool-call ids and tool markup leaked into text are undone during reconstruction; their
+ids are structurally determined, so they need no search.)
+
+:func:`search_repairs` builds every candidate the applicable transformations allow (each non-empty
+combination) and accepts one only when it is the *unique* candidate that matches every billed count
+(completion under the provider's convention, reasoning where reported). Two or more matching
+candidates are ``ambiguous``: the sample stays a mismatch. The evidence (every candidate and its
+count differences) is returned for the record.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from itertools import combinations, product
+from typing import Any, Mapping
+
+from eagledata.tokens.checks import EXCLUDES_EOT
+from eagledata.text.families import ModelFamily
+from eagledata.tokens.reconstruct import Reconstruction, reconstruct_completion
+from eagledata.tokens.responses import ParsedResponse, ToolCall
+from eagledata.text.tokenizer import Tokenizer
+
+WHITESPACE_REASONING = "whitespace_restored:reasoning"
+WHITESPACE_CONTENT = "whitespace_restored:content"
+ARGUMENTS_RESPACED = "tool_arguments_respaced"
+
+
+@dataclass
+class RepairResult:
+    status: str  # unique | ambiguous | none | not_applicable
+    chosen: Reconstruction | None = None
+    transforms: tuple[str, ...] = ()
+    evidence: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def reason_codes(self) -> list[str]:
+        codes = []
+        if any(t.startswith("whitespace_restored") for t in self.transforms):  # labels carry the prefix
+            codes.append("whitespace_restored")
+        if any(t.startswith(ARGUMENTS_RESPACED) for t in self.transforms):
+            codes.append("tool_arguments_respaced")
+        return codes
+
+
+def parsed_from_segments(segments: list[Mapping[str, Any]], finish_reason: str | None) -> ParsedResponse:
+    """The provider message as reconstruction saw it, rebuilt from a token-shard row's segments."""
+    reasoning = "".join(s.get("text", "") for s in segments if s["kind"] == "reasoning")
+    content = "".join(s.get("text", "") for s in segments if s["kind"] == "content")
+    calls: dict[int, ToolCall] = {}
+    for s in segments:
+        if s["kind"] in ("tool_id", "tool_arguments"):
+            call = calls.setdefault(s["call"], ToolCall(None, "", "", s["call"]))
+            if s["kind"] == "tool_id":
+                call.id = s.get("text", "")
+            else:
+                call.arguments = s.get("text", "")
+        elif s["kind"] == "tool_call_begin":
+            calls.setdefault(s["call"], ToolCall("", "", "", s["call"]))
+    return ParsedResponse(streamed=False, reasoning=reasoning or None, content=content or None,
+                          tool_calls=[calls[i] for i in sorted(calls)], finish_reason=finish_reason)
+
+
+def _respaced(arguments: str) -> str | None:
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return None
+    spaced = json.dumps(value, ensure_ascii=False)
+    return spaced if spaced != arguments else None
+
+
+#: What a leading-whitespace strip may have removed. Every one is a candidate, so a count that
+#: several prefixes explain is ambiguous instead of a guess.
+WHITESPACE_PREFIXES = (" ", "\n", "\n\n", "  ")
+
+
+def applicable_transforms(parsed: ParsedResponse) -> list[str]:
+    out = []
+    if parsed.reasoning and not parsed.reasoning[0].isspace():
+        out.append(WHITESPACE_REASONING)
+    if parsed.content and not parsed.content[0].isspace():
+        out.append(WHITESPACE_CONTENT)
+    if any(_respaced(c.arguments) is not None for c in parsed.tool_calls):
+        out.append(ARGUMENTS_RESPACED)
+    return out
+
+
+def _variants(transform: str) -> tuple[str, ...]:
+    return WHITESPACE_PREFIXES if transform.startswith("whitespace_restored") else ("",)
+
+
+def apply_transforms(parsed: ParsedResponse, transforms: tuple[str, ...],
+                     prefixes: Mapping[str, str] | None = None) -> ParsedResponse:
+    """``parsed`` with the inverse transformations applied; ``prefixes`` gives the whitespace put
+    back per whitespace transform (default one space)."""
+    prefixes = prefixes or {}
+    p = replace(parsed, tool_calls=list(parsed.tool_calls))
+    if WHITESPACE_REASONING in transforms:
+        p.reasoning = prefixes.get(WHITESPACE_REASONING, " ") + (p.reasoning or "")
+    if WHITESPACE_CONTENT in transforms:
+        p.content = prefixes.get(WHITESPACE_CONTENT, " ") + (p.content or "")
+    if ARGUMENTS_RESPACED in transforms:
+        p.tool_calls = [replace(c, arguments=_respaced(c.arguments) or c.arguments) for c in p.tool_calls]
+    return p
+
+
+def counts_match(rc: Reconstruction, billed_completion: int | None, billed_reasoning: int | None,
+                 convention: str) -> tuple[bool, int | None]:
+    """(all billed counts match, completion diff) for a candidate reconstruction."""
+    if billed_completion is None:
+        return False, None
+    ours = len(rc.ids) - (1 if convention == EXCLUDES_EOT and rc.stopped else 0)
+    diff = ours - billed_completion
+    reasoning_ok = not billed_reasoning or billed_reasoning in (rc.reasoning_tokens, rc.reasoning_tokens + 1)
+    return diff == 0 and reasoning_ok, diff
+
+
+def search_repairs(
+    parsed: ParsedResponse,
+    tokenizer: Tokenizer,
+    family: ModelFamily,
+    billed_completion: int | None,
+    billed_reasoning: int | None,
+    convention: str,
+    thinking: bool | None = None,
+    only: tuple[str, ...] | None = None,
+) -> RepairResult:
+    """Try every combination of the applicable inverse transformations (restricted to ``only``
+    when given); accept the unique candidate matching every billed count."""
+    options = [t for t in applicable_transforms(parsed) if only is None or t in only]
+    if not options or billed_completion is None or convention not in ("counts_eot", EXCLUDES_EOT):
+        return RepairResult("not_applicable")
+    evidence, matching = [], []
+    for r in range(1, len(options) + 1):
+        for combo in combinations(options, r):
+            for variant in product(*(_variants(t) for t in combo)):
+                prefixes = {t: v for t, v in zip(combo, variant) if v}
+                rc = reconstruct_completion(apply_transforms(parsed, combo, prefixes), tokenizer, family, 0, thinking)
+                ok, diff = counts_match(rc, billed_completion, billed_reasoning, convention)
+                label = [f"{t}={prefixes[t]!r}" if t in prefixes else t for t in combo]
+                evidence.append({"transforms": label, "completion_diff": diff, "reasoning_tokens": rc.reasoning_tokens,
+                                 "matches": ok})
+                if ok:
+                    matching.append((tuple(label), rc))
+    if len(matching) == 1:
+        combo, rc = matching[0]
+        return RepairResult("unique", rc, combo, evidence)
+    return RepairResult("ambiguous" if matching else "none", None, (), evidence)

@@ -1,0 +1,99 @@
+"""One response record -> one tokenized training sample (prompt ids + reconstructed completion ids).
+
+A response record is one line of a dataset's ``responses.jsonl`` (or of an imported recording):
+``request`` (the exact body sent), ``status`` and ``response_raw`` (the exact body received), plus
+an ``id``. :func:`tokenize_record` never raises on provider misbehaviour: the problems are carried
+in the sample (``parsed.error``, ``reconstruction.flags``) for :mod:`eagledata.tokens.checks` to judge.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from eagledata.text.chat import ChatTemplateError, prompt_ids, request_thinking, tool_declaration_of
+from eagledata.text.families import ModelFamily
+from eagledata.tokens.reconstruct import Reconstruction, count_tool_calls, reconstruct_completion, segment_ids
+from eagledata.tokens.responses import ParsedResponse, ResponseError, parse_response
+from eagledata.text.tokenizer import Tokenizer
+
+
+@dataclass
+class Sample:
+    id: str
+    request: Mapping[str, Any]
+    parsed: ParsedResponse
+    prompt_ids: list[int]
+    completion: Reconstruction
+    thinking_requested: bool | None
+    prompt_error: str | None = None
+
+    @property
+    def input_ids(self) -> list[int]:
+        return self.prompt_ids + self.completion.ids
+
+
+def record_id(record: Mapping[str, Any], fallback: str) -> str:
+    rid = record.get("id")
+    return str(rid) if rid is not None else fallback
+
+
+def tokenize_record(
+    record: Mapping[str, Any],
+    tokenizer: Tokenizer,
+    family: ModelFamily,
+    sample_id: str,
+    template: str | None = None,
+) -> Sample:
+    """Prompt ids from the chat template, completion ids from the exact response body."""
+    request = record.get("request") or {}
+    status = int(record.get("status") or 0)
+    raw = record.get("response_raw")
+    if not isinstance(raw, str):
+        parsed = ParsedResponse(streamed=False, error=ResponseError("malformed", "record has no response_raw text", "malformed"))
+    else:
+        parsed = parse_response(raw, status)
+    messages = request.get("messages") or []
+    thinking = request_thinking(request)
+    prompt_error = None
+    try:
+        p_ids = prompt_ids(tokenizer, messages, request.get("tools"), thinking=thinking, template=template)
+    except (ChatTemplateError, TypeError, KeyError, AttributeError) as exc:
+        p_ids, prompt_error = [], f"prompt could not be rendered: {exc}"
+    completion = reconstruct_completion(parsed, tokenizer, family, count_tool_calls(messages), thinking)
+    truth = record.get("token_ids")
+    if isinstance(truth, list) and parsed.error is None:
+        completion = _ground_truth(truth, completion, tokenizer, family)
+        server_prompt = record.get("prompt_token_ids") or request.get("input_ids")
+        if isinstance(server_prompt, list):
+            if server_prompt != p_ids:
+                completion.flags.append("prompt_path_differs")
+            p_ids, prompt_error = list(server_prompt), None
+        if parsed.provider is None:
+            parsed.provider = str(record.get("backend") or "sglang")
+    return Sample(sample_id, request, parsed, p_ids, completion, thinking, prompt_error)
+
+
+def alternative_prompt_lengths(sample: Sample, tokenizer: Tokenizer, template: str | None = None) -> dict[str, int]:
+    """Our prompt length under renderings other than the canonical one that providers are known to
+    use: ``json_tools`` (the tools declared as JSON, for a family whose own declaration is not JSON).
+    Measurements for learning a provider's variant; they never replace the canonical prompt ids."""
+    request = sample.request
+    if not request.get("tools") or tool_declaration_of(tokenizer) == "json":
+        return {}
+    try:
+        ids = prompt_ids(tokenizer, request.get("messages") or [], request.get("tools"), thinking=sample.thinking_requested,
+                         template=template, tool_declaration="json")
+    except (ChatTemplateError, TypeError, KeyError, AttributeError):
+        return {}
+    return {"json_tools": len(ids)}
+
+
+def _ground_truth(ids: list[int], text_path: Reconstruction, tokenizer: Tokenizer, family: ModelFamily) -> Reconstruction:
+    """Ids a local server returned are the completion; the text path is kept as a measurement:
+    ``text_path_differs`` when reconstructing from the returned text would have given other ids."""
+    truth = segment_ids(ids, tokenizer, family, text_path.thinking)
+    truth.flags.append("ground_truth_ids")
+    if text_path.ids != truth.ids:
+        truth.flags.append("text_path_differs")
+    return truth
