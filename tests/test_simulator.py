@@ -11,7 +11,10 @@ from eagledata.text.chat import request_thinking
 from eagledata.text.families import get_family
 from eagledata.tokens.reconstruct import count_tool_calls
 from eagledata.tokens.responses import parse_response
-from eagledata.standin.server import PROFILES, Fault, SimulatorServer, prompt_hash
+from eagledata.standin.faults import Fault
+from eagledata.standin.profiles import PROFILES
+from eagledata.standin.responses import prompt_hash
+from eagledata.standin.server import SimulatorServer
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city.",

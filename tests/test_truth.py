@@ -9,7 +9,8 @@ import httpx
 import pytest
 
 from eagledata.text.families import get_family
-from eagledata.standin.server import PROFILES, SimulatorServer
+from eagledata.standin.profiles import PROFILES
+from eagledata.standin.server import SimulatorServer
 from eagledata.text.tokenizer import load_tokenizer
 from eagledata.tokens.shards import build_token_shards, read_shards
 

@@ -1,0 +1,219 @@
+"""What the stand-in sends back: one :class:`Generation` per answer, and its bodies in every shape the
+server speaks: OpenRouter's JSON body (:func:`json_body`) and SSE stream (:func:`sse_events`, chunks
+shaped like the recorded traffic), SGLang's ``/v1/chat/completions`` (:func:`sglang_chat_body`) and
+native ``/generate`` (:func:`sglang_generate_body`). Also the request key the counters use
+(:func:`prompt_hash`) and a small LRU (:class:`Memo`) for completions, which are pure functions of
+the request.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping
+
+from eagledata.generate.prompts import canonical_json, sha256_hex
+from eagledata.standin.model import Completion
+from eagledata.standin.profiles import ProviderMessage
+from eagledata.text.tokenizer import Tokenizer
+
+
+def prompt_hash(request: Mapping[str, Any]) -> str:
+    """Key of :attr:`SimulatorServer.request_counts`: the prompt content (messages + tools; the
+    prompt ids for a native SGLang request)."""
+    if "messages" not in request and "input_ids" in request:
+        return sha256_hex(canonical_json({"input_ids": request.get("input_ids")}))[:16]
+    return sha256_hex(canonical_json({"messages": request.get("messages"), "tools": request.get("tools") or None}))[:16]
+
+
+def dumps(obj: Any) -> str:
+    """Compact JSON, as the recorded traffic has it."""
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def pieces(text: str, rng: random.Random) -> Iterator[str]:
+    """Split text into stream deltas of one to three words; their concatenation is the text.
+    An empty text gives one empty delta (so a client still sees the field)."""
+    words = re.findall(r"\s*\S+|\s+", text) or [""]
+    i = 0
+    while i < len(words):
+        k = rng.randint(1, 3)
+        yield "".join(words[i:i + k])
+        i += k
+
+
+@dataclass
+class SharedAnswer:
+    """What every answer to one request shares: the truth, the decoded message before the
+    response quirks, the usage, and (when ``shared``) the serialised choices of a JSON answer."""
+
+    completion: Completion
+    message: ProviderMessage  # decoded, counts adjusted, before response quirks
+    usage: dict[str, Any]
+    shared: bool  # no response quirk applies: every answer carries ``message`` unchanged
+    prompt_hash: str
+    choices_json: str | None = None
+    usage_json: str | None = None
+
+
+@dataclass
+class Generation:
+    """One answer: its id, truth, message as sent, usage and what it was billed."""
+
+    id: str
+    created: int
+    model: str
+    completion: Completion
+    message: ProviderMessage
+    usage: dict[str, Any]
+    provider: str
+    streamed: bool
+    latency_ms: float
+    billed: float = 0.0  # what the stand-in charged for it (0 for errors in 200 bodies)
+    base: SharedAnswer | None = None
+
+
+class Memo(OrderedDict):
+    """A small LRU of completions (they are pure functions of the request)."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.size = size
+
+    def get_or(self, key: Any, make: Callable[[], Any]) -> Any:
+        """The value for ``key``, made with ``make()`` (and kept) when missing."""
+        if key in self:
+            self.move_to_end(key)
+            return self[key]
+        value = make()
+        self[key] = value
+        if len(self) > self.size:
+            self.popitem(last=False)
+        return value
+
+
+# ----------------------------------------------------------------------------------------------
+# OpenRouter shapes
+
+
+def choices_json(g: Generation) -> str:
+    """The ``choices`` array of a JSON answer, serialised."""
+    m = g.message
+    message: dict[str, Any] = {"role": "assistant", "content": m.content, "refusal": None, "reasoning": m.reasoning}
+    if m.reasoning is not None:
+        message["reasoning_details"] = [{"type": "reasoning.text", "text": m.reasoning, "format": "unknown", "index": 0}]
+    if m.tool_calls:
+        message["tool_calls"] = [{"index": i, "id": c["id"], "type": "function",
+                                  "function": {"name": c["name"], "arguments": c["arguments"]}}
+                                 for i, c in enumerate(m.tool_calls)]
+    return dumps([{"logprobs": None, "finish_reason": m.finish_reason, "native_finish_reason": m.native_finish_reason,
+                   "index": 0, "message": message}])
+
+
+def json_body(g: Generation, padding: str) -> str:
+    """OpenRouter's non-streamed body, after its keep-alive ``padding``."""
+    b = g.base
+    if b is not None and b.shared:
+        if b.choices_json is None:
+            b.choices_json, b.usage_json = choices_json(g), dumps(g.usage)
+        choices, usage = b.choices_json, b.usage_json
+    else:
+        choices, usage = choices_json(g), dumps(g.usage)
+    return (f'{padding}{{"id":{dumps(g.id)},"provider":{dumps(g.provider)},"model":{dumps(g.model)},'
+            f'"object":"chat.completion","created":{g.created},"choices":{choices},"system_fingerprint":null,'
+            f'"usage":{usage}}}')
+
+
+def sse_events(g: Generation, fail_midway: bool = False, malformed: bool = False) -> Iterator[str]:
+    """The stream's ``data:`` payloads (without the ``data: `` prefix), ``[DONE]`` last."""
+    m = g.message
+    rng = random.Random(g.id)
+    head = {"id": g.id, "provider": g.provider, "model": g.model, "object": "chat.completion.chunk", "created": g.created}
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
+        return dumps({**head, "choices": [{"index": 0, "delta": {"role": "assistant", **delta},
+                                            "finish_reason": finish, "native_finish_reason": finish,
+                                            "logprobs": None}], "system_fingerprint": None, **extra})
+
+    deltas: list[str] = []
+    for piece in pieces(m.reasoning, rng) if m.reasoning is not None else ():
+        deltas.append(chunk({"content": "", "reasoning": piece, "reasoning_details": [
+            {"type": "reasoning.text", "text": piece, "format": "unknown", "index": 0}]}))
+    for piece in pieces(m.content, rng) if m.content else ():
+        deltas.append(chunk({"content": piece}))
+    for i, c in enumerate(m.tool_calls):
+        call = {"index": i, "id": c["id"], "type": "function"}
+        deltas.append(chunk({"content": None, "tool_calls": [{**call, "function": {"name": c["name"], "arguments": ""}}]}))
+        for piece in pieces(c["arguments"], rng):
+            deltas.append(chunk({"content": None, "tool_calls": [{**call, "function": {"name": "", "arguments": piece}}]}))
+    if fail_midway:
+        yield from deltas[: len(deltas) // 2]
+        yield dumps({**head, "error": {"code": 502, "message": "Upstream provider disconnected mid-stream"},
+                      "choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "error",
+                                   "native_finish_reason": "error"}]})
+        return
+    if malformed and deltas:
+        k = len(deltas) // 2
+        deltas[k] = deltas[k][: len(deltas[k]) // 2]
+    yield from deltas
+    yield chunk({"content": ""}, m.finish_reason)
+    yield chunk({"content": ""}, None, usage=g.usage)
+    yield "[DONE]"
+
+
+# ----------------------------------------------------------------------------------------------
+# SGLang shapes
+
+
+def sglang_output_ids(g: Generation, trim_stop: bool) -> tuple[list[int], int | None]:
+    """The returned output ids and the matched stop id (the end of turn when the model stopped);
+    ``trim_stop`` leaves the matched stop id out of the ids (as some SGLang versions do)."""
+    ids = list(g.completion.ids)
+    matched = ids[-1] if g.completion.stopped else None
+    if matched is not None and trim_stop:
+        ids = ids[:-1]
+    return ids, matched
+
+
+def sglang_chat_body(g: Generation, body: Mapping[str, Any], trim_stop: bool = False) -> str:
+    """SGLang's ``/v1/chat/completions`` answer: ``reasoning_content`` (reasoning parser),
+    ``tool_calls`` (tool-call parser, native ids), ``matched_stop``, and with
+    ``return_token_ids`` the choice's ``token_ids`` (the output ids) and
+    ``prompt_token_ids``; usage counts every output id (including the end of turn)."""
+    m = g.message
+    ids, matched = sglang_output_ids(g, trim_stop)
+    tool_calls = [{"id": c["id"], "index": i, "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                  for i, c in enumerate(m.tool_calls)] or None
+    choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": m.content or None,
+                                                      "reasoning_content": m.reasoning, "tool_calls": tool_calls},
+                              "logprobs": None, "finish_reason": m.finish_reason, "matched_stop": matched}
+    if body.get("return_token_ids"):
+        choice["token_ids"] = ids
+    if body.get("return_token_ids") or body.get("return_prompt_token_ids"):
+        choice["prompt_token_ids"] = g.completion.prompt_ids
+    if body.get("return_meta_info"):
+        choice["meta_info"] = {"id": g.id, "completion_tokens": len(g.completion.ids)}
+    n_out = len(g.completion.ids)
+    usage = {"prompt_tokens": len(g.completion.prompt_ids), "total_tokens": len(g.completion.prompt_ids) + n_out,
+             "completion_tokens": n_out, "prompt_tokens_details": None, "reasoning_tokens": m.reasoning_tokens}
+    return dumps({"id": g.id.removeprefix("gen-"), "object": "chat.completion", "created": g.created, "model": g.model,
+                   "choices": [choice], "usage": usage, "metadata": {"weight_version": "default"}})
+
+def sglang_generate_body(g: Generation, body: Mapping[str, Any], tokenizer: Tokenizer, trim_stop: bool = False) -> str:
+    """SGLang's native ``/generate`` answer: ``text``, ``output_ids``, ``meta_info``
+    (``finish_reason`` {type, matched}, prompt/completion token counts)."""
+    sp = body.get("sampling_params") or {}
+    ids, matched = sglang_output_ids(g, trim_stop)
+    full = g.completion.ids
+    text_ids = full if (sp.get("no_stop_trim") or matched is None) else full[:-1]
+    if sp.get("skip_special_tokens", True):
+        text_ids = [i for i in text_ids if not tokenizer.is_special_id(i)]
+    finish = ({"type": "stop", "matched": matched} if matched is not None
+              else {"type": "length", "length": len(full)})
+    meta = {"id": g.id.removeprefix("gen-"), "finish_reason": finish, "prompt_tokens": len(g.completion.prompt_ids),
+            "weight_version": "default", "completion_tokens": len(full), "cached_tokens": 0,
+            "e2e_latency": round(g.latency_ms / 1000, 4)}
+    return dumps({"text": tokenizer.decode(text_ids), "output_ids": ids, "meta_info": meta})
