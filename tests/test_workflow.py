@@ -135,7 +135,7 @@ def test_rerun_rules_never_regenerate_paid_responses(paid_setup):
     assert _requests(server) == 6
 
     # changed reconstruction code: tokens and downstream rerun, generation does not
-    with open(work / "src/eagledata/reconstruct.py", "a") as fh:
+    with open(work / "src/eagledata/tokens/reconstruct.py", "a") as fh:
         fh.write("\n# changed\n")
     jobs = planned_jobs(work, env=env)
     assert "generate" not in jobs and jobs["tokens"] == 2 and jobs["validate"] == 2

@@ -25,9 +25,10 @@ from typing import Any, Mapping
 import yaml
 
 from eagledata.text.families import ModelFamily, get_family
+from eagledata.errors import InputError
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     pass
 
 

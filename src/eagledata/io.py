@@ -1,4 +1,6 @@
-"""Reading JSON-lines files with errors that name the file, line and field.
+"""Shared file helpers: JSON-lines reading with errors that name the file, line and field; atomic
+writes (a temporary file in the same directory, fsync'ed, then ``os.replace`` and a directory
+fsync, so a reader sees the old file or the new one, never a torn one); sha256 of files and text.
 
 Every JSONL input of the pipeline (prompts, responses, imported recordings) goes through
 :func:`iter_json_lines`, so a bad line always fails the same way: ``FILE:LINE:(json): invalid JSON
@@ -7,12 +9,77 @@ Every JSONL input of the pipeline (prompts, responses, imported recordings) goes
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any, Iterator
 
+from eagledata.errors import InputError
 
-class ResponsesFileError(ValueError):
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file's bytes, read in chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(chunk), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_text(text: str) -> str:
+    """Hex sha256 of ``text`` encoded as UTF-8."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Make a rename or creation inside directory ``path`` durable (best effort where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path next to ``path``; when the block succeeds the file written there is
+    fsync'ed and replaces ``path`` atomically; when it fails the temporary file is removed."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        if tmp.is_file():
+            with open(tmp, "rb+") as fh:
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            if tmp.is_file():
+                tmp.unlink()
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | Path, value: Any, indent: int | None = 2) -> None:
+    atomic_write_text(path, json.dumps(value, indent=indent, ensure_ascii=False) + "\n")
+
+
+class ResponsesFileError(InputError):
     """A responses file (generated, imported or recorded) has a bad line; names file:line:field."""
 
 

@@ -24,9 +24,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from eagledata.text.tokenizer import Tokenizer
 from eagledata.text.tool_declaration import ToolDeclarationError, deep_sort, typescript_tool_declaration
+from eagledata.errors import EagledataError
 
 
-class ChatTemplateError(Exception):
+class ChatTemplateError(EagledataError):
     pass
 
 

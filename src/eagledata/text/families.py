@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
+from eagledata.errors import EagledataError
 
 #: Kimi's pre-tokenization regex (tiktoken ``pat_str``), the same for K2, K2 Thinking, K2.5 and K2.6.
 KIMI_PATTERN = "|".join(
@@ -29,7 +30,7 @@ KIMI_PATTERN = "|".join(
 )
 
 
-class UnknownFamilyError(KeyError):
+class UnknownFamilyError(EagledataError, KeyError):
     pass
 
 

@@ -31,13 +31,14 @@ from pathlib import Path
 from typing import Iterable, Iterator, Protocol, Sequence
 
 from eagledata.text.families import ModelFamily
+from eagledata.errors import EagledataError
 
 TIKTOKEN_MAX_ENCODE_CHARS = 400_000
 MAX_NO_WHITESPACES_CHARS = 25_000
 _LONG_RUN = re.compile(r"\s{%d,}|\S{%d,}" % (MAX_NO_WHITESPACES_CHARS + 1, MAX_NO_WHITESPACES_CHARS + 1))
 
 
-class TokenizerError(Exception):
+class TokenizerError(EagledataError):
     """A tokenizer could not be loaded or failed its self-check (continuing would corrupt ids)."""
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from typing import Any, Callable
+from eagledata.errors import EagledataError
 
 __all__ = ["ToolDeclarationError", "deep_sort", "typescript_tool_declaration"]
 
@@ -58,7 +59,7 @@ UNION_MEMBER = {
 }
 
 
-class ToolDeclarationError(ValueError):
+class ToolDeclarationError(EagledataError, ValueError):
     """A tool schema the TypeScript-style declaration cannot express."""
 
 

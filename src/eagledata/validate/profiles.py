@@ -13,12 +13,12 @@ reasoning count reliability learned in each run (with its evidence: samples and 
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Mapping
 
+from eagledata.io import atomic_write_text
 from eagledata.tokens.checks import VERDICTS
 
 HISTORY_NAME = "fidelity_history.jsonl"
@@ -60,9 +60,7 @@ def record_validation(path: str | Path, report: Mapping[str, Any], manifest: Map
     keys = {tuple(e[k] for k in _KEY_FIELDS) for e in new}
     kept = [e for e in _read(path) if tuple(e.get(k) for k in _KEY_FIELDS) not in keys]
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(e) + "\n" for e in kept + new), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(path, "".join(json.dumps(e) + "\n" for e in kept + new))
     return len(new)
 
 

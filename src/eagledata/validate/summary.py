@@ -30,13 +30,14 @@ verdicts' mismatch + error.
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
 from eagledata.tokens.checks import PROMPT_VERDICTS, REASONS, VERDICTS
 from eagledata.tokens.shards import read_shards
+from eagledata.errors import StageError
+from eagledata.io import atomic_write_text
 
 SCHEMA_VERSION = 2
 BAD_COUNTS = ("completion", "both")
@@ -44,7 +45,7 @@ _COLUMNS = ["id", "provider", "verdict", "completion_verdict", "prompt_verdict",
             "train", "completion_diff", "prompt_diff"]
 
 
-class ValidationFailed(RuntimeError):
+class ValidationFailed(StageError):
     pass
 
 
@@ -199,9 +200,7 @@ def write_validation(tokens_dir: str | Path, json_path: str | Path, summary_path
     report = summarize(tokens_dir, max_bad_fraction, bad_counts)
     for path, text in ((Path(json_path), json.dumps(report, indent=2) + "\n"), (Path(summary_path), render_summary(report))):
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
+        atomic_write_text(path, text)
     if not report["passed"]:
         what = "completions" if bad_counts == "completion" else "samples"
         raise ValidationFailed(

@@ -1,0 +1,154 @@
+"""The shape of the library: one package per stage, no import cycles, modules of one concept (under
+about 800 lines), no private name imported across modules, one exception hierarchy, derived code
+inputs."""
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+from eagledata.codeinputs import stage_code
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "src" / "eagledata"
+STAGES = ("text", "generate", "tokens", "validate", "extract", "export", "report", "standin", "demo")
+MAX_LINES = 800
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PKG.rglob("*.py")):
+        parts = path.relative_to(PKG.parent).with_suffix("").parts
+        out[".".join(p for p in parts if p != "__init__")] = path
+    return out
+
+
+def _top_level_imports(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
+    """Project modules imported when ``name`` is imported (statements run at import time)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found: set[str] = set()
+
+    def visit(nodes):
+        for node in nodes:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                if isinstance(node, ast.ClassDef):
+                    visit(node.body)
+                continue
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test):
+                continue
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    pkg = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                    base = ".".join(pkg[: len(pkg) - node.level + 1] + ([node.module] if node.module else []))
+                found.add(base)
+                found.update(f"{base}.{a.name}" for a in node.names)
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                visit(getattr(node, field, []) or [])
+
+    visit(tree.body)
+    return {m for m in found if m in modules and m != name}
+
+
+def test_one_package_per_stage_with_a_docstring():
+    for stage in STAGES:
+        init = PKG / stage / "__init__.py"
+        assert init.is_file(), stage
+        assert ast.get_docstring(ast.parse(init.read_text())), f"{stage}/__init__.py states what the package holds"
+
+
+def test_no_import_cycles():
+    modules = _modules()
+    graph = {name: _top_level_imports(path, name, modules) for name, path in modules.items()}
+    # a package's __init__ importing its own submodules is how re-exports work, not a cycle
+    for name in graph:
+        graph[name] = {m for m in graph[name] if not m.startswith(name + ".")}
+    index, low, stack, on, cycles, counter = {}, {}, [], set(), [], [0]
+
+    def strong(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            strong(v)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_modules_stay_small():
+    big = {str(p.relative_to(PKG)): n for p in PKG.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not big, f"modules over {MAX_LINES} lines: {big}"
+
+
+def test_no_private_name_imported_across_modules():
+    offenders = []
+    for path in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("eagledata") or (
+                    isinstance(node, ast.ImportFrom) and node.level):
+                offenders += [f"{path.relative_to(PKG)}: {a.name}" for a in node.names
+                              if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not offenders, offenders
+
+
+def test_every_error_derives_from_the_common_base():
+    import importlib
+
+    from eagledata.errors import EagledataError
+
+    loose = []
+    for name, path in _modules().items():
+        if "torch" in path.read_text(encoding="utf-8").split("def ")[0]:
+            continue  # modules importing torch at import time are checked where torch is tested
+        module = importlib.import_module(name)
+        for attr, obj in vars(module).items():
+            if (inspect.isclass(obj) and issubclass(obj, Exception) and obj.__module__ == name
+                    and not issubclass(obj, EagledataError) and not attr.startswith("_")):
+                loose.append(f"{name}.{attr}")
+    assert not loose, f"exceptions outside the eagledata.errors hierarchy: {loose}"
+
+
+def test_code_inputs_follow_imports_transitively(tmp_path):
+    pkg = tmp_path / "src" / "eagledata"
+    (pkg / "a").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a" / "__init__.py").write_text("from .b import x\n")
+    (pkg / "a" / "b.py").write_text("import json\nfrom ..c import y\nx = 1\n")
+    (pkg / "c.py").write_text("def f():\n    from eagledata.d import z  # lazy imports count too\ny = 2\n")
+    (pkg / "d.py").write_text("z = 3\n")
+    (pkg / "unused.py").write_text("")
+    script = tmp_path / "script.py"
+    script.write_text("from eagledata.a import x\n")
+    got = stage_code(script, pkg, tmp_path)
+    assert got == sorted(f"src/eagledata/{p}" for p in ("__init__.py", "a/__init__.py", "a/b.py", "c.py", "d.py"))
+
+
+@pytest.mark.parametrize("script", ["tokens.py", "validate.py", "report.py", "export.py", "extract.py"])
+def test_stage_scripts_reach_their_package_in_one_hop(script):
+    """rules/X.smk -> scripts/X.py -> eagledata/X/: the stage's own package is among its code inputs."""
+    stage = script.removesuffix(".py")
+    files = stage_code(ROOT / "scripts" / script, PKG, ROOT)
+    assert any(f.startswith(f"src/eagledata/{stage}/") for f in files), files
+    assert (ROOT / "rules" / f"{stage}.smk").is_file()
