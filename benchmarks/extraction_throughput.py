@@ -56,9 +56,9 @@ class PairedBackend:
     batch (timed into ``bare_s``), alternately before and after the extraction forward."""
 
     def __new__(cls, inner):
-        from eagledata.extract import core as ex
+        from eagledata.extract.base import ExtractionBackend
 
-        class _Paired(ex.ExtractionBackend):
+        class _Paired(ExtractionBackend):
             name = inner.name
 
             def __init__(self):
@@ -117,14 +117,16 @@ def main() -> None:
 
     import torch
 
-    from eagledata.extract import core as ex
     from eagledata.demo.model import build_demo_model
+    from eagledata.extract import core as ex
+    from eagledata.extract.hf import HFBackend, load_model
+    from eagledata.extract.storage import ITEMSIZE
 
     torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="eagledata-bench-"))
     weights = Path(args.weights) if args.weights else build_demo_model(tmp / "model", 4096, seed=0)
-    model = ex.load_model(weights, args.compute_dtype, args.device)
-    backend = ex.HFBackend(model, None, "after", args.compute_dtype)
+    model = load_model(weights, args.compute_dtype, args.device)
+    backend = HFBackend(model, None, "after", args.compute_dtype)
     tokens = make_tokens(tmp / "tokens", backend.vocab_size, args.samples, args.shards)
 
     # warm up (allocator, kernels), then paired runs; the median ratio is reported
@@ -144,7 +146,7 @@ def main() -> None:
     n = paired.tokens
     assert manifest["tokens"] == n
     nl, h = len(manifest["layers"]), manifest["hidden_size"]
-    item = ex._ITEMSIZE[args.dtype]
+    item = ITEMSIZE[args.dtype]
     shard_bytes = sum(s["bytes"] for s in manifest["shards"])
     all_bytes = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     hidden_min = n * (nl + 1) * h * item

@@ -26,10 +26,12 @@ try:
     import torch  # noqa: E402  (after the claim, on purpose)
 
     from eagledata.extract import core as ex  # noqa: E402
+    from eagledata.extract.base import ExtractionError  # noqa: E402
+    from eagledata.extract.hf import resolve_device  # noqa: E402
 
     if not cfg.get("enabled", True):
-        raise ex.ExtractionError("extraction.enabled is false in the config, but rule extract was requested")
-    if ex.resolve_device(device) == "cpu":
+        raise ExtractionError("extraction.enabled is false in the config, but rule extract was requested")
+    if resolve_device(device) == "cpu":
         torch.set_num_threads(max(1, int(smk.threads)))
 
     out = Path(smk.output[0])

@@ -14,6 +14,8 @@ from safetensors.torch import load_file
 
 from eagledata.export import trainers as xp
 from eagledata.extract import core as ex
+from eagledata.extract.base import ExtractionError
+from eagledata.extract.storage import read_index
 from eagledata.demo.model import build_demo_model
 
 from test_extract import VOCAB, make_rows, write_tokens
@@ -37,7 +39,7 @@ def setup(tmp_path_factory):
 
 def _ours(hidden):
     """sample id -> (input_ids, loss_mask, aux, final) straight from our shards."""
-    idx = ex.read_index(hidden)
+    idx = read_index(hidden)
     shards = {name: load_file(hidden / name) for name in idx["shard"].unique().to_list()}
     out = {}
     for row in idx.iter_rows(named=True):
@@ -104,9 +106,9 @@ def test_speculators_export_read_back_like_speculators(setup, tmp_path):
 
 
 def test_exports_refuse_the_wrong_final_norm(setup, tmp_path):
-    with pytest.raises(ex.ExtractionError, match="SpecForge export needs the final hidden state AFTER"):
+    with pytest.raises(ExtractionError, match="SpecForge export needs the final hidden state AFTER"):
         xp.export_specforge(setup["before"], tmp_path / "a")
-    with pytest.raises(ex.ExtractionError, match="speculators export needs the final hidden state BEFORE"):
+    with pytest.raises(ExtractionError, match="speculators export needs the final hidden state BEFORE"):
         xp.export_speculators(setup["after"], tmp_path / "b")
 
 

@@ -19,6 +19,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from eagledata.extract import core as ex
+from eagledata.extract.base import ExtractionError
+from eagledata.extract.hf import HFBackend, as_backend, find_decoder, forward_hidden
+from eagledata.extract.layers import default_layers, resolve_layers
+from eagledata.extract.storage import estimate_shard_bytes, read_index
 from eagledata.demo.model import build_demo_model, demo_config
 
 VOCAB = 512
@@ -94,14 +98,14 @@ def fp32_out(tmp_path_factory, weights, model, token_rows):
 
 
 def test_default_layers():
-    assert ex.default_layers(61) == [1, 29, 57]
-    assert ex.default_layers(8) == [1, 3, 4]
-    with pytest.raises(ex.ExtractionError):
-        ex.default_layers(4)
-    with pytest.raises(ex.ExtractionError):
-        ex.resolve_layers([1, 8], 8)
-    with pytest.raises(ex.ExtractionError):
-        ex.resolve_layers([2, 2], 8)
+    assert default_layers(61) == [1, 29, 57]
+    assert default_layers(8) == [1, 3, 4]
+    with pytest.raises(ExtractionError):
+        default_layers(4)
+    with pytest.raises(ExtractionError):
+        resolve_layers([1, 8], 8)
+    with pytest.raises(ExtractionError):
+        resolve_layers([2, 2], 8)
 
 
 def _hook_outputs(decoder, ids):
@@ -120,7 +124,7 @@ def _hook_outputs(decoder, ids):
 
 
 def test_layer_indices_match_forward_hooks_for_every_layer(model):
-    dec = ex.find_decoder(model)
+    dec = find_decoder(model)
     L = dec.num_layers
     assert L == 8 and len(dec.layers) == L
     ids = torch.randint(0, VOCAB, (2, 33), generator=torch.Generator().manual_seed(0))
@@ -137,16 +141,16 @@ def test_layer_indices_match_forward_hooks_for_every_layer(model):
     assert not torch.allclose(hs[-1], hooks[L - 1], atol=1e-3)
 
     # our capture, asking for EVERY layer, against the hooks
-    aux, final = ex.forward_hidden(dec, ids, None, list(range(L)), "after")
+    aux, final = forward_hidden(dec, ids, None, list(range(L)), "after")
     assert aux.shape == (2, 33, L, dec.hidden_size)
     for i in range(L):
         torch.testing.assert_close(aux[:, :, i], hooks[i], rtol=0, atol=0)
     torch.testing.assert_close(final, hs[-1], rtol=0, atol=0)
-    _, before = ex.forward_hidden(dec, ids, None, [1], "before")
+    _, before = forward_hidden(dec, ids, None, [1], "before")
     torch.testing.assert_close(before, hooks[L - 1], rtol=0, atol=0)
 
     # the defaults are the outputs of layers [1, 3, 4] = HF hidden_states[2], [4], [5]
-    aux_d, _ = ex.forward_hidden(dec, ids, None, ex.default_layers(L), "after")
+    aux_d, _ = forward_hidden(dec, ids, None, default_layers(L), "after")
     for j, i in enumerate([1, 3, 4]):
         torch.testing.assert_close(aux_d[:, :, j], hs[i + 1], rtol=0, atol=0)
 
@@ -206,14 +210,14 @@ def test_batched_equals_single_sample_forward(fp32_out, token_rows, model):
     """Every sample of the batched (padded, length-grouped) extraction equals a direct forward of
     that sample alone."""
     root, _ = fp32_out
-    dec = ex.find_decoder(model)
+    dec = find_decoder(model)
     t = load_file(root / "hidden" / "shard-00000.safetensors")
     off = t["sample_offsets"].tolist()
     train = [r for r in token_rows[0] if r["train"]]
     assert len(ex.plan_batches([len(r["input_ids"]) for r in train], 200)) < len(train)  # really batched
     for k, r in enumerate(train):
         ids = torch.tensor([r["input_ids"]])
-        aux, final = ex.forward_hidden(dec, ids, None, [1, 3, 4], "after")
+        aux, final = forward_hidden(dec, ids, None, [1, 3, 4], "after")
         torch.testing.assert_close(t["aux_hidden_states"][off[k]:off[k + 1]], aux[0], rtol=1e-5, atol=2e-6)
         torch.testing.assert_close(t["hidden_state"][off[k]:off[k + 1]], final[0], rtol=1e-5, atol=2e-6)
 
@@ -246,7 +250,7 @@ def test_final_norm_before(tmp_path, token_rows, weights, model):
     ex.extract_dataset(tokens, tmp_path / "h", weights, final_norm="before", dtype="float32", device="cpu", model=model)
     path = tmp_path / "h" / "shard-00000.safetensors"
     t = load_file(path)
-    dec = ex.find_decoder(model)
+    dec = find_decoder(model)
     r = [r for r in token_rows[1][:4] if r["train"]][0]
     hooks, _ = _hook_outputs(dec, torch.tensor([r["input_ids"]]))
     n = len(r["input_ids"])
@@ -299,7 +303,7 @@ def test_sha256_mismatch_raises_naming_file(tmp_path, token_rows, weights, monke
     tokens = write_tokens(tmp_path / "tokens", token_rows)
     pl.DataFrame(token_rows[1][:2], schema=SCHEMA).write_parquet(tokens / "shard-00001.parquet")
     monkeypatch.setattr(ex, "load_model", lambda *a, **k: pytest.fail("model loaded before verification"))
-    with pytest.raises(ex.ExtractionError, match=r"sha256 mismatch.*shard-00001\.parquet"):
+    with pytest.raises(ExtractionError, match=r"sha256 mismatch.*shard-00001\.parquet"):
         ex.extract_dataset(tokens, tmp_path / "hidden", weights, device="cpu")
     assert not list((tmp_path / "hidden").glob("*.safetensors"))
 
@@ -308,12 +312,12 @@ def test_bad_rows_rejected(tmp_path, token_rows, weights, model):
     rows = [dict(r) for r in token_rows[1][:3]]
     rows[0]["completion_len"] += 1
     tokens = write_tokens(tmp_path / "tokens", [rows])
-    with pytest.raises(ex.ExtractionError, match="completion_len"):
+    with pytest.raises(ExtractionError, match="completion_len"):
         ex.extract_dataset(tokens, tmp_path / "h", weights, device="cpu", model=model)
     rows = [dict(r) for r in token_rows[1][:3]]
     rows[1]["input_ids"] = rows[1]["input_ids"][:-1] + [VOCAB]
     tokens = write_tokens(tmp_path / "tokens2", [rows])
-    with pytest.raises(ex.ExtractionError, match="outside"):
+    with pytest.raises(ExtractionError, match="outside"):
         ex.extract_dataset(tokens, tmp_path / "h2", weights, device="cpu", model=model)
     assert not list((tmp_path / "h2").glob("*.safetensors*"))
 
@@ -350,7 +354,7 @@ def test_empty_selection_and_missing_weights(tmp_path, token_rows, weights, mode
     m = ex.extract_dataset(tokens, tmp_path / "h", weights, dtype="float32", device="cpu", model=model)
     t = load_file(tmp_path / "h" / "shard-00000.safetensors")
     assert m["tokens"] == 0 and t["aux_hidden_states"].shape == (0, 3, 64) and t["sample_offsets"].tolist() == [0]
-    with pytest.raises(ex.ExtractionError, match="config.json"):
+    with pytest.raises(ExtractionError, match="config.json"):
         ex.extract_dataset(tokens, tmp_path / "h2", tmp_path / "no-such-model", device="cpu")
 
 
@@ -364,9 +368,9 @@ def test_claim_gpus_wrapper_raises_extraction_error(tmp_path, monkeypatch):
         assert ex.claim_gpus(1, tmp_path, candidates=["3", "5"]) == ["3"]
         assert ex.claim_gpus(1, tmp_path, candidates=["3", "5"]) == ["5"]  # 3 is held
         assert __import__("os").environ["CUDA_VISIBLE_DEVICES"] == "5"
-        with pytest.raises(ex.ExtractionError, match="could not claim"):
+        with pytest.raises(ExtractionError, match="could not claim"):
             ex.claim_gpus(1, tmp_path, candidates=["3", "5"], timeout_s=0, poll_s=0)
-        with pytest.raises(ex.ExtractionError, match="only 2 visible"):
+        with pytest.raises(ExtractionError, match="only 2 visible"):
             ex.claim_gpus(3, tmp_path, candidates=["3", "5"])
     finally:
         gpus.release_all()
@@ -382,7 +386,7 @@ def test_index_and_output_sha256(fp32_out, token_rows):
     for entry in manifest["shards"]:
         assert entry["sha256"] == hashlib.sha256((hidden / entry["file"]).read_bytes()).hexdigest()
         assert entry["bytes"] == (hidden / entry["file"]).stat().st_size
-    idx = ex.read_index(hidden)
+    idx = read_index(hidden)
     train = [(k, r) for k, rows in enumerate(token_rows) for r in rows if r["train"]]
     assert idx["id"].to_list() == [r["id"] for _, r in train]
     assert idx["sample"].to_list() == list(range(len(train)))
@@ -404,15 +408,15 @@ def test_disk_space_checked_before_a_shard_starts(tmp_path, token_rows, weights,
     tokens = write_tokens(tmp_path / "tokens", [token_rows[1]])
     n = sum(len(r["input_ids"]) for r in token_rows[1] if r["train"])
     s = sum(1 for r in token_rows[1] if r["train"])
-    need = ex.estimate_shard_bytes(n, s, 3, 64, "float32")
+    need = estimate_shard_bytes(n, s, 3, 64, "float32")
     assert need == n * (3 + 1) * 64 * 4 + n * 9 + (s + 1) * 8  # tokens x (layers + 1) x H x size + ids, mask, offsets
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(_shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 1000, 1000))
-    with pytest.raises(ex.ExtractionError, match=r"not enough disk space for .*shard-00000\.safetensors.*needs [\d,]+ bytes.*only 1,000 bytes"):
+    with pytest.raises(ExtractionError, match=r"not enough disk space for .*shard-00000\.safetensors.*needs [\d,]+ bytes.*only 1,000 bytes"):
         ex.extract_dataset(tokens, tmp_path / "h", weights, dtype="float32", device="cpu", model=model)
     assert not list((tmp_path / "h").glob("shard-*"))
     monkeypatch.setattr(_shutil, "disk_usage", lambda p: usage(10**12, 0, need + 20000))
-    with pytest.raises(ex.ExtractionError, match="reserve_disk_bytes"):
+    with pytest.raises(ExtractionError, match="reserve_disk_bytes"):
         ex.extract_dataset(tokens, tmp_path / "h", weights, dtype="float32", device="cpu", model=model,
                            reserve_disk_bytes=10**6)
     ex.extract_dataset(tokens, tmp_path / "h", weights, dtype="float32", device="cpu", model=model)
@@ -422,12 +426,13 @@ def test_disk_space_checked_before_a_shard_starts(tmp_path, token_rows, weights,
 _KILLED_CHILD = """
 import sys, time, torch
 from eagledata.extract import core as ex
+from eagledata.extract.hf import HFBackend
 torch.set_num_threads(1)
-slow = ex.HFBackend.forward
+slow = HFBackend.forward
 def forward(self, seqs, out_dtype):
     time.sleep(0.25)
     return slow(self, seqs, out_dtype)
-ex.HFBackend.forward = forward
+HFBackend.forward = forward
 tokens, out, work, weights = sys.argv[1:5]
 ex.extract_dataset(tokens, out, weights, dtype="float32", device="cpu", batch_tokens=150, work_dir=work)
 """
@@ -485,8 +490,8 @@ def test_resume_after_kill_9(tmp_path, token_rows, weights, model):
 def test_hf_backend_contract(model):
     """HFBackend.forward: per sample (aux [T, n, H], final [T, H]) in the requested dtype on the
     CPU, equal to single-sample hooks; fp32 and bf16 output paths."""
-    dec = ex.find_decoder(model)
-    backend = ex.HFBackend(model, [1, 3, 4], "after")
+    dec = find_decoder(model)
+    backend = HFBackend(model, [1, 3, 4], "after")
     assert (backend.num_layers, backend.hidden_size, backend.vocab_size) == (8, 64, VOCAB)
     g = torch.Generator().manual_seed(3)
     seqs = [torch.randint(0, VOCAB, (t,), generator=g) for t in (17, 5, 30)]
@@ -499,7 +504,7 @@ def test_hf_backend_contract(model):
             for j, i in enumerate([1, 3, 4]):
                 torch.testing.assert_close(aux[:, j].float(), hooks[i][0].to(dtype).float(), **tol)
             torch.testing.assert_close(final.float(), res.last_hidden_state[0].to(dtype).float(), **tol)
-    with pytest.raises(ex.ExtractionError, match="backend captures layers"):
-        ex.as_backend(backend, [1, 2, 3], "after")
-    with pytest.raises(ex.ExtractionError, match="final_norm"):
-        ex.as_backend(backend, None, "before")
+    with pytest.raises(ExtractionError, match="backend captures layers"):
+        as_backend(backend, [1, 2, 3], "after")
+    with pytest.raises(ExtractionError, match="final_norm"):
+        as_backend(backend, None, "before")

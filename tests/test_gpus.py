@@ -165,6 +165,7 @@ def test_real_snakemake_run_with_gpu_resource(box, tmp_path):
 def test_claiming_happens_before_torch_is_imported():
     """The extraction modules import torch lazily, so a job can claim GPUs and set
     CUDA_VISIBLE_DEVICES before CUDA is initialised."""
-    code = ("import sys; from eagledata.extract import gpus, core, sglang; from eagledata.export import trainers; "
+    code = ("import sys; from eagledata.extract import gpus, base, layers, storage, hf, core, sglang; "
+            "from eagledata.export import common, specforge, speculators, trainers; "
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})

@@ -21,6 +21,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from eagledata.extract import core as ex
+from eagledata.extract.base import ExtractionError, torch_dtype
+from eagledata.extract.hf import HFBackend, find_decoder
+from eagledata.extract.layers import default_layers, layer_semantics
 from eagledata.extract import sglang as sr
 from eagledata.demo.model import build_demo_model
 
@@ -41,14 +44,14 @@ class FakeSGLangEngine:
     packed along dim 0, as SGLang returns them."""
 
     def __init__(self, hf_model, layers, final_norm, add_one=True):
-        self.dec = ex.find_decoder(hf_model)
+        self.dec = find_decoder(hf_model)
         # what SGLang's set_eagle3_layers_to_capture(layers) stores (add_one=False: an off-by-one bug)
         self.layers_to_capture = [i + 1 for i in layers] if add_one else list(layers)
         self.final_norm = final_norm
         self.closed = False
 
     def extend(self, batch, out_dtype):
-        dt = ex.torch_dtype(out_dtype)
+        dt = torch_dtype(out_dtype)
         aux_all, final_all = [], []
         for ids in batch:
             got, before = {}, []
@@ -81,9 +84,9 @@ def _backend(hf_model, layers, final_norm, add_one=True):
 
 
 def test_capture_ids_mapping():
-    assert sr.sglang_capture_ids(ex.default_layers(61)) == [2, 30, 58]  # K2.5: output of [1, 29, 57]
+    assert sr.sglang_capture_ids(default_layers(61)) == [2, 30, 58]  # K2.5: output of [1, 29, 57]
     assert sr.sglang_capture_ids([1, 3, 4]) == [2, 4, 5]
-    assert "SGLang/vLLM aux layer ids [2, 30, 58]" in ex.layer_semantics([1, 29, 57], "after")
+    assert "SGLang/vLLM aux layer ids [2, 30, 58]" in layer_semantics([1, 29, 57], "after")
 
 
 def test_split_outputs_layout():
@@ -97,9 +100,9 @@ def test_split_outputs_layout():
     for j in range(n):
         torch.testing.assert_close(torch.cat([a[:, j] for a, _ in out]), layers[j], rtol=0, atol=0)
     torch.testing.assert_close(torch.cat([f for _, f in out]), final, rtol=0, atol=0)
-    with pytest.raises(ex.ExtractionError, match="aux width"):
+    with pytest.raises(ExtractionError, match="aux width"):
         sr.split_outputs(aux_cat[:, :-1], final, lens, n)
-    with pytest.raises(ex.ExtractionError, match="rows"):
+    with pytest.raises(ExtractionError, match="rows"):
         sr.split_outputs(aux_cat, final[:-1], lens, n)
 
 
@@ -107,7 +110,7 @@ def test_split_outputs_layout():
 def test_sglang_semantics_equal_hf_backend(model, final_norm):
     _, hf_model = model
     layers = [1, 3, 5]
-    hf = ex.HFBackend(hf_model, layers, final_norm)
+    hf = HFBackend(hf_model, layers, final_norm)
     sg = _backend(hf_model, layers, final_norm)
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, VOCAB, (t,), generator=g) for t in (9, 23, 4)]
@@ -123,14 +126,14 @@ def test_sglang_semantics_equal_hf_backend(model, final_norm):
 
 def test_sglang_backend_rejects_last_layer_and_needs_sglang(model):
     _, hf_model = model
-    with pytest.raises(ex.ExtractionError, match="cannot be captured"):
+    with pytest.raises(ExtractionError, match="cannot be captured"):
         _backend(hf_model, [1, 3, 7], "after")
     if not sr.sglang_available():
-        with pytest.raises(ex.ExtractionError, match="sglang is not importable"):
+        with pytest.raises(ExtractionError, match="sglang is not importable"):
             sr.SGLangBackend.launch(model[0], None, "after")
-        with pytest.raises(ex.ExtractionError, match="sglang is not importable"):
+        with pytest.raises(ExtractionError, match="sglang is not importable"):
             ex.make_backend("sglang", model[0], None, "after")
-    with pytest.raises(ex.ExtractionError, match="backend must be one of"):
+    with pytest.raises(ExtractionError, match="backend must be one of"):
         ex.make_backend("vllm", model[0], None, "after")
 
 
@@ -138,7 +141,7 @@ def test_capture_only_logits_processor_computes_no_logits():
     class LogitsProcessor(torch.nn.Module):  # stands in for sglang's
         pass
 
-    m = sr._CaptureOnly.make(torch.nn, LogitsProcessor())
+    m = sr.CaptureOnly.make(torch.nn, LogitsProcessor())
     h = torch.randn(6, 4)
     aux = [torch.randn(6, 4) for _ in range(3)]
 
@@ -158,8 +161,8 @@ def test_kwargs_filtered_to_signature():
     def g(a, **kw):
         return a, kw
 
-    assert sr._kwargs_for(f, a=1, b=2, c=3) == {"a": 1, "b": 2}
-    assert sr._kwargs_for(g, a=1, c=3) == {"a": 1, "c": 3}
+    assert sr.kwargs_for(f, a=1, b=2, c=3) == {"a": 1, "b": 2}
+    assert sr.kwargs_for(g, a=1, c=3) == {"a": 1, "c": 3}
 
 
 def test_extract_dataset_same_shards_from_either_backend(tmp_path, model):

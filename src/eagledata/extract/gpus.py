@@ -31,12 +31,14 @@ import time
 from pathlib import Path
 from typing import Iterable
 
+from eagledata.errors import StageError
+
 log = logging.getLogger("eagledata.extract.gpus")
 
 DEFAULT_LOCK_DIR = "/tmp/eagledata-gpu-locks"
 
 
-class GpuClaimError(RuntimeError):
+class GpuClaimError(StageError):
     """Not enough free devices within the timeout, or an impossible request."""
 
 

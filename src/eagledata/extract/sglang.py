@@ -7,7 +7,7 @@ tensor-parallel rank, device ``gpu_id = rank`` among the job's claimed ``CUDA_VI
 requests as ``Req`` in a ``ScheduleBatch`` prepared for extend (prefill only), run as a
 ``ForwardBatch`` with ``capture_hidden_mode = CaptureHiddenMode.FULL``.
 
-Layer semantics, the shared contract with :class:`eagledata.extract.core.HFBackend`:
+Layer semantics, the shared contract with :class:`eagledata.extract.hf.HFBackend`:
 
 * our ``layers`` mean "output of decoder layer i". SGLang's ``set_eagle3_layers_to_capture(ids)``
   stores ``layers_to_capture = [i + 1 for i in ids]`` and its decoder loop appends
@@ -20,7 +20,7 @@ Layer semantics, the shared contract with :class:`eagledata.extract.core.HFBacke
   final norm's output. ``"before"``: taken by a forward pre-hook on the model's final norm module
   (SGLang's fused add-RMSNorm receives ``(hidden_states, residual)``: the residual stream is their
   sum).
-* no logits: SGLang's ``LogitsProcessor`` modules are replaced by :class:`_CaptureOnly`, which
+* no logits: SGLang's ``LogitsProcessor`` modules are replaced by :class:`CaptureOnly`, which
   returns the captured states and never multiplies by the LM head.
 
 sglang is an optional dependency (``pip install -e .[gpu]``) that needs CUDA; nothing here imports it
@@ -39,14 +39,8 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from eagledata.extract.core import (
-    FINAL_NORM_CHOICES,
-    ExtractionBackend,
-    ExtractionError,
-    _text_config,
-    resolve_layers,
-    torch_dtype,
-)
+from eagledata.extract.base import ExtractionBackend, ExtractionError, check_final_norm, text_config, torch_dtype
+from eagledata.extract.layers import resolve_layers
 
 log = logging.getLogger("eagledata.extract.sglang")
 
@@ -82,7 +76,7 @@ def split_outputs(aux_cat: "Any", final: "Any", lengths: Sequence[int], n_layers
     return out
 
 
-def _kwargs_for(fn: Any, **kwargs: Any) -> dict[str, Any]:
+def kwargs_for(fn: Any, **kwargs: Any) -> dict[str, Any]:
     """``kwargs`` restricted to the parameters ``fn`` accepts (SGLang signatures drift)."""
     params = inspect.signature(fn).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
@@ -90,13 +84,13 @@ def _kwargs_for(fn: Any, **kwargs: Any) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k in params}
 
 
-class _CaptureOnly:
+class CaptureOnly:
     """Stand-in for SGLang's ``LogitsProcessor``: returns captured hidden states, computes no
     logits. Built lazily as an ``nn.Module`` subclass (torch is imported in the worker only)."""
 
     @staticmethod
     def make(torch_nn: Any, original: Any) -> Any:
-        class CaptureOnly(torch_nn.Module):
+        class CaptureOnlyModule(torch_nn.Module):
             def __init__(self, orig):
                 super().__init__()
                 self.orig = orig  # kept for attributes other code may read
@@ -105,13 +99,13 @@ class _CaptureOnly:
                 import torch
 
                 aux = torch.cat(list(aux_hidden_states), dim=-1) if aux_hidden_states is not None else None
-                return _Captured(aux_hidden_states=aux, last_hidden_states=hidden_states)
+                return Captured(aux_hidden_states=aux, last_hidden_states=hidden_states)
 
-        return CaptureOnly(original)
+        return CaptureOnlyModule(original)
 
 
-class _Captured:
-    """What the model's forward returns under :class:`_CaptureOnly` (read by the rank worker)."""
+class Captured:
+    """What the model's forward returns under :class:`CaptureOnly` (read by the rank worker)."""
 
     def __init__(self, aux_hidden_states: Any, last_hidden_states: Any):
         self.aux_hidden_states = aux_hidden_states
@@ -153,7 +147,7 @@ class _RankState:
             _set_envs_and_config(server_args)
         model_config = ModelConfig.from_server_args(server_args)
         ep = getattr(server_args, "ep_size", 1) or 1
-        self.runner = ModelRunner(**_kwargs_for(
+        self.runner = ModelRunner(**kwargs_for(
             ModelRunner.__init__,
             model_config=model_config,
             mem_fraction_static=server_args.mem_fraction_static,
@@ -172,7 +166,7 @@ class _RankState:
         for name, sub in list(model.named_modules()):
             if isinstance(sub, LogitsProcessor):
                 parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-                setattr(parent, name.rsplit(".", 1)[-1], _CaptureOnly.make(torch.nn, sub))
+                setattr(parent, name.rsplit(".", 1)[-1], CaptureOnly.make(torch.nn, sub))
         if not hasattr(model, "set_eagle3_layers_to_capture"):
             raise ExtractionError(f"SGLang model {type(model).__name__} has no set_eagle3_layers_to_capture: "
                                   "it cannot capture aux hidden states (use extraction.backend: hf)")
@@ -199,14 +193,14 @@ class _RankState:
         runner = self.runner
         reqs = []
         for k, ids in enumerate(batch):
-            req = Req(**_kwargs_for(Req.__init__, rid=str(k), origin_input_text="", origin_input_ids=list(ids),
+            req = Req(**kwargs_for(Req.__init__, rid=str(k), origin_input_text="", origin_input_ids=list(ids),
                                     sampling_params=SamplingParams(temperature=0, max_new_tokens=1)))
             req.prefix_indices = []
             req.fill_ids = req.origin_input_ids
             req.extend_input_len = len(req.fill_ids)
             req.logprob_start_len = len(req.origin_input_ids) - 1
             reqs.append(req)
-        batch_obj = ScheduleBatch.init_new(**_kwargs_for(
+        batch_obj = ScheduleBatch.init_new(**kwargs_for(
             ScheduleBatch.init_new,
             reqs=reqs,
             req_to_token_pool=runner.req_to_token_pool,
@@ -227,7 +221,7 @@ class _RankState:
         runner.token_to_kv_pool_allocator.clear()
         if runner.tp_rank != 0:
             return None
-        if not isinstance(captured, _Captured) or captured.aux_hidden_states is None:
+        if not isinstance(captured, Captured) or captured.aux_hidden_states is None:
             raise ExtractionError("SGLang forward returned no aux hidden states (capture not enabled?)")
         final = captured.last_hidden_states if self.final_norm == "after" else self.before[-1]
         dt = torch_dtype(out_dtype)
@@ -271,7 +265,7 @@ class SGLangEngine:  # pragma: no cover - needs GPUs and sglang
         if context_length:
             kwargs["context_length"] = int(context_length)
         kwargs.update(server_args or {})
-        kwargs = _kwargs_for(ServerArgs.__init__, **kwargs)
+        kwargs = kwargs_for(ServerArgs.__init__, **kwargs)
         port_args = PortArgs.init_new(ServerArgs(**kwargs))
         ctx = mp.get_context("spawn")
         self._inboxes = [ctx.Queue() for _ in range(tp_size)]
@@ -310,7 +304,7 @@ class SGLangEngine:  # pragma: no cover - needs GPUs and sglang
 
 
 class SGLangBackend(ExtractionBackend):
-    """:class:`~eagledata.extract.core.ExtractionBackend` over an engine with
+    """:class:`~eagledata.extract.base.ExtractionBackend` over an engine with
     ``extend(batch: list[list[int]], out_dtype: str) -> (aux_cat [N, n*H], final [N, H])`` in
     SGLang's output layout (:class:`SGLangEngine` on GPUs; tests pass a fake)."""
 
@@ -318,8 +312,7 @@ class SGLangBackend(ExtractionBackend):
 
     def __init__(self, engine: Any, layers: Sequence[int], final_norm: str, num_layers: int, hidden_size: int,
                  vocab_size: int, compute_dtype: str = "auto"):
-        if final_norm not in FINAL_NORM_CHOICES:
-            raise ExtractionError(f"final_norm must be one of {FINAL_NORM_CHOICES}, got {final_norm!r}")
+        check_final_norm(final_norm)
         self.engine = engine
         self.num_layers = int(num_layers)
         self.hidden_size = int(hidden_size)
@@ -342,7 +335,7 @@ class SGLangBackend(ExtractionBackend):
         if not sglang_available():
             raise ExtractionError("extraction.backend is 'sglang' but sglang is not importable here; "
                                   "install it on the GPU machine (pip install -e '.[gpu]') or use backend 'hf'")
-        cfg = _text_config(weights)
+        cfg = text_config(weights)
         num_layers = int(cfg.num_hidden_layers)
         resolved = resolve_layers(layers, num_layers)
         if tp_size is None:
