@@ -43,7 +43,7 @@ def corpus() -> str:
 @pytest.fixture(scope="module")
 def trained(corpus):
     t0 = time.perf_counter()
-    ranks, splits = dt._train(corpus, dt.DEFAULT_N_RANKS - 256, KIMI_PATTERN)
+    ranks, splits = dt.train(corpus, dt.DEFAULT_N_RANKS - 256, KIMI_PATTERN)
     return ranks, splits, time.perf_counter() - t0
 
 
@@ -141,7 +141,7 @@ def test_every_token_merges_to_itself(trained):
     token changes nothing."""
     ranks, _, _ = trained
     vocab = sorted(ranks, key=ranks.get)
-    assert all(dt._merge_to_end(list(t), vocab, ranks) == [ranks[t]] for t in vocab)
+    assert all(dt.merge_to_end(list(t), vocab, ranks) == [ranks[t]] for t in vocab)
 
 
 # ---------------------------------------------------------------------------- the directory

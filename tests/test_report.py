@@ -17,7 +17,10 @@ import yaml
 
 from eagledata.demo import tokenizer as dt
 from eagledata.report import build as rp
+from eagledata.report import highlight as hl
+from eagledata.report import routing as ra
 from eagledata.text.families import get_family
+from eagledata.tokens.checks import REASONS
 from eagledata.tokens.samples import tokenize_record
 from eagledata.text.tokenizer import load_tokenizer
 from eagledata.tokens.shards import build_token_shards
@@ -209,17 +212,17 @@ def test_implicated_positions_unit():
     segs = [{"kind": "reasoning", "start": 0, "end": 3, "text": "abc"}, {"kind": "think_close", "start": 3, "end": 4},
             {"kind": "content", "start": 4, "end": 6, "text": "de"}, {"kind": "end_of_turn", "start": 6, "end": 7}]
     ids = list(range(7))
-    imp = rp.implicated_tokens("completion_count_mismatch", ids, segs, completion_diff=1)
+    imp = hl.implicated_tokens("completion_count_mismatch", ids, segs, completion_diff=1)
     assert imp.level == "suspect" and imp.positions == [0, 4, 6]
-    assert rp.implicated_tokens("completion_count_mismatch", ids, segs, completion_diff=3).positions == [0, 4]
-    assert rp.implicated_tokens("truncated", ids[:6], segs[:3]).positions == [5]
-    assert rp.implicated_tokens("end_of_turn_misplaced", ids, segs).positions == [6]
-    assert rp.implicated_tokens("lossy_text", ids, segs, unit_texts={2: "x\ufffd", 5: "ok"}).positions == [2]
-    assert rp.implicated_tokens("special_in_text", ids, segs, is_special=lambda t: t == 5).positions == [5]
-    assert rp.implicated_tokens("decode_mismatch", ids, segs, decode=lambda x: "abc" if x == [0, 1, 2] else "??").positions == [4, 5]
-    none = rp.implicated_tokens("prompt_count_mismatch", ids, segs, prompt_diff=-3)
+    assert hl.implicated_tokens("completion_count_mismatch", ids, segs, completion_diff=3).positions == [0, 4]
+    assert hl.implicated_tokens("truncated", ids[:6], segs[:3]).positions == [5]
+    assert hl.implicated_tokens("end_of_turn_misplaced", ids, segs).positions == [6]
+    assert hl.implicated_tokens("lossy_text", ids, segs, unit_texts={2: "x\ufffd", 5: "ok"}).positions == [2]
+    assert hl.implicated_tokens("special_in_text", ids, segs, is_special=lambda t: t == 5).positions == [5]
+    assert hl.implicated_tokens("decode_mismatch", ids, segs, decode=lambda x: "abc" if x == [0, 1, 2] else "??").positions == [4, 5]
+    none = hl.implicated_tokens("prompt_count_mismatch", ids, segs, prompt_diff=-3)
     assert none.level is None and none.positions == [] and "-3" in none.note
-    assert set(rp.IMPLICATED) >= {c for c in rp.REASONS}, "every reason code says which tokens it marks"
+    assert set(hl.IMPLICATED) >= {c for c in REASONS}, "every reason code says which tokens it marks"
 
 
 def test_run_report_and_validation_json(built):
@@ -255,22 +258,22 @@ def test_routing_advice_orders_by_share_and_ignores_bad(built):
 
 
 def test_routing_advice_rules():
-    assert rp.provider_slug("Moonshot AI") == "moonshotai"
-    assert rp.provider_slug("DeepInfra") == "deepinfra" and rp.provider_slug("SiliconFlow") == "siliconflow"
+    assert ra.provider_slug("Moonshot AI") == "moonshotai"
+    assert ra.provider_slug("DeepInfra") == "deepinfra" and ra.provider_slug("SiliconFlow") == "siliconflow"
     provs = {"A": {"total": 10, "exact": 9, "repaired": 0}, "B": {"total": 10, "exact": 5, "repaired": 5},
              "C": {"total": 20, "exact": 19, "repaired": 0}, "D": {"total": 10, "exact": 1, "repaired": 0},
              "E": {"total": 2, "exact": 2, "repaired": 0}}
-    a = rp.routing_advice(provs, min_samples=5, ignore_below=0.5)
+    a = ra.routing_advice(provs, min_samples=5, ignore_below=0.5)
     assert a["order"] == ["b", "c", "a"] and a["ignore"] == ["d"]
     # never ignore every provider (that config would fail every request): only those with nothing good
-    a = rp.routing_advice({"X": {"total": 10, "exact": 1}, "Y": {"total": 10, "exact": 3}, "Z": {"total": 9}}, 5, 0.5)
+    a = ra.routing_advice({"X": {"total": 10, "exact": 1}, "Y": {"total": 10, "exact": 3}, "Z": {"total": 9}}, 5, 0.5)
     assert a["order"] == ["y", "x"] and a["ignore"] == ["z"] and a["notes"]
     # no verified completion anywhere: nothing advised, nothing ignored, and the advice says so
-    a = rp.routing_advice({"X": {"total": 10}, "Y": {"total": 10}}, 5, 0.5)
+    a = ra.routing_advice({"X": {"total": 10}, "Y": {"total": 10}}, 5, 0.5)
     assert a["ignore"] == [] and a["order"] == [] and a["notes"]
     assert {r["decision"] for r in a["providers"]} == {"no_verified_completion"}
     # equal shares: the completion-side share breaks the tie
-    a = rp.routing_advice({"P": {"total": 10, "exact": 8, "completion_verified": 8},
+    a = ra.routing_advice({"P": {"total": 10, "exact": 8, "completion_verified": 8},
                            "Q": {"total": 10, "exact": 8, "completion_verified": 10}}, 5, 0.5)
     assert a["order"] == ["q", "p"]
 
@@ -294,7 +297,7 @@ def test_long_completion_is_elided_around_marks(tok, tmp_path):
 
 def test_unicode_pieces_are_joined(tok):
     ids = tok.encode_plain("你好 ok")
-    units = rp.token_units(ids, tok)
+    units = hl.token_units(ids, tok)
     assert "".join(u.text for u in units) == "你好 ok"
     assert all(not u.raw for u in units) and any(u.end - u.start > 1 for u in units)
 

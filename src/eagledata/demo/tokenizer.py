@@ -29,6 +29,7 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
+from eagledata.io import atomic_write_text
 from eagledata.text.families import KIMI_PATTERN
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ def pretokenize(text: str, pattern: str) -> list[str]:
 # training
 
 
-def _train(text: str, n_merges: int, pattern: str) -> tuple[dict[bytes, int], dict[bytes, list[int]]]:
+def train(text: str, n_merges: int, pattern: str) -> tuple[dict[bytes, int], dict[bytes, list[int]]]:
     """Train; return (ranks, final split of every distinct corpus chunk as ranks).
 
     Splits are kept equal to tiktoken's encoding under the ranks learned so far: a chunk that is a
@@ -159,7 +160,7 @@ def _train(text: str, n_merges: int, pattern: str) -> tuple[dict[bytes, int], di
                 cat = vocab[x] + vocab[y]
                 counts[cat] -= f
                 changed.add(cat)
-            merged = [new_id] if chunks[wi] == best else _merge_to_end(w, vocab, ranks)
+            merged = [new_id] if chunks[wi] == best else merge_to_end(w, vocab, ranks)
             words[wi] = merged
             for x, y in zip(merged, merged[1:]):
                 cat = vocab[x] + vocab[y]
@@ -178,7 +179,7 @@ def _train(text: str, n_merges: int, pattern: str) -> tuple[dict[bytes, int], di
     return ranks, {chunk: w for chunk, w in zip(chunks, words)}
 
 
-def _merge_to_end(ids: list[int], vocab: list[bytes], ranks: dict[bytes, int]) -> list[int]:
+def merge_to_end(ids: list[int], vocab: list[bytes], ranks: dict[bytes, int]) -> list[int]:
     """tiktoken's merge loop from the split ``ids``: merge the leftmost adjacent pair whose
     concatenation has the lowest rank until no concatenation is a token."""
     parts = [vocab[i] for i in ids]
@@ -199,10 +200,10 @@ def train_byte_bpe(text: str, n_merges: int, pattern: str) -> dict[bytes, int]:
 
     ``text`` is pre-tokenized with ``pattern`` (tiktoken syntax) and training runs on the counts of
     distinct chunks with incremental count updates, merging with tiktoken's own rule (see
-    :func:`_train`), so tiktoken's encoding with the result equals the trainer's splits. Ties between
+    :func:`train`), so tiktoken's encoding with the result equals the trainer's splits. Ties between
     equally frequent candidates go to the smaller byte string: the result depends on ``text`` only.
     """
-    return _train(text, n_merges, pattern)[0]
+    return train(text, n_merges, pattern)[0]
 
 
 def bpe_encode(text: str, ranks: dict[bytes, int], pattern: str) -> list[int]:
@@ -217,7 +218,7 @@ def bpe_encode(text: str, ranks: dict[bytes, int], pattern: str) -> list[int]:
         ids = cache.get(chunk)
         if ids is None:
             raw = chunk.encode("utf-8")
-            ids = cache[chunk] = [ranks[raw]] if raw in ranks else _merge_to_end(list(raw), vocab, ranks)
+            ids = cache[chunk] = [ranks[raw]] if raw in ranks else merge_to_end(list(raw), vocab, ranks)
         out.extend(ids)
     return out
 
@@ -294,15 +295,10 @@ def build_demo_tokenizer(corpus_path: str | Path | None, out_dir: str | Path,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     lines = [f"{base64.b64encode(tok).decode('ascii')} {r}\n" for tok, r in sorted(ranks.items(), key=lambda kv: kv[1])]
-    _write(out / "tiktoken.model", "".join(lines))
-    _write(out / "tokenizer_config.json", json.dumps(tokenizer_config(n_ranks), indent=2, ensure_ascii=False) + "\n")
-    _write(out / "pattern.txt", KIMI_PATTERN + "\n")
-    _write(out / "chat_template.jinja", kimi_k25_chat_template())
-    _write(out / "DEMO.md", _demo_md(n_ranks, corpus_path.name, hashlib.sha256(raw).hexdigest()))
+    atomic_write_text(out / "tiktoken.model", "".join(lines))
+    atomic_write_text(out / "tokenizer_config.json", json.dumps(tokenizer_config(n_ranks), indent=2, ensure_ascii=False) + "\n")
+    atomic_write_text(out / "pattern.txt", KIMI_PATTERN + "\n")
+    atomic_write_text(out / "chat_template.jinja", kimi_k25_chat_template())
+    atomic_write_text(out / "DEMO.md", _demo_md(n_ranks, corpus_path.name, hashlib.sha256(raw).hexdigest()))
     log.info("wrote %s (vocabulary %d)", out, n_ranks + SPECIAL_RANGE)
     return out
-
-
-def _write(path: Path, text: str) -> None:
-    with open(path, "w", encoding="utf-8", newline="\n") as fh:
-        fh.write(text)

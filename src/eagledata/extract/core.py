@@ -67,6 +67,7 @@ from eagledata.extract.hf import HFBackend, as_backend, load_model
 from eagledata.extract.layers import layer_semantics, resolve_layers
 from eagledata.extract.storage import (
     FORMAT,
+    RESUME_KEYS,
     BackgroundWriter,
     SafetensorsStreamWriter,
     TokenShard,
@@ -294,9 +295,10 @@ class DatasetRun:
 
     def resume_keys(self, source_sha256: str) -> dict[str, str]:
         """The metadata an existing output shard must carry to be kept (:data:`RESUME_KEYS`)."""
-        return {"format": FORMAT, "layers": json.dumps(self.layers), "final_norm": self.final_norm,
-                "dtype": self.dtype, "compute_dtype": self.compute_dtype, "model_fingerprint": self.model_fp,
-                "source_sha256": source_sha256}
+        values = {"format": FORMAT, "layers": json.dumps(self.layers), "final_norm": self.final_norm,
+                  "dtype": self.dtype, "compute_dtype": self.compute_dtype, "model_fingerprint": self.model_fp,
+                  "source_sha256": source_sha256}
+        return {k: values[k] for k in RESUME_KEYS}
 
     def manifest(self, shards_out: list[dict[str, Any]], complete: bool) -> dict[str, Any]:
         """The output ``manifest.json`` (``complete: false`` while shards are still being written)."""
