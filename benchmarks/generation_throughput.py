@@ -44,6 +44,11 @@ def _tokenizer_dir(tmp: Path) -> Path:
     return out
 
 
+def max_tokens(args: argparse.Namespace) -> int:
+    """Room for the longest answer asked of the stand-in (content, reasoning, markup)."""
+    return max(256, args.content_tokens[1] + 64)
+
+
 def stored_at(record: dict) -> float:
     """When a cached answer was stored: its request's start plus its elapsed time (epoch seconds)."""
     from datetime import datetime
@@ -65,7 +70,7 @@ def one_round(args: argparse.Namespace, tok: Path, base: str, tmp: Path, stand_i
     config = {"cache_dir": str(tmp / "cache"), "results_dir": str(tmp / "results"), "budget_usd": 1000.0,
               "models": {"m": {"family": "kimi-k2.5", "tokenizer": str(tok), "api_model": "moonshotai/kimi-k2.5",
                                "price_per_mtok": {"prompt": 0.6, "completion": 2.5}}},
-              "generation": {"api_base": base, "max_tokens": 256, "concurrency": args.concurrency,
+              "generation": {"api_base": base, "max_tokens": max_tokens(args), "concurrency": args.concurrency,
                              "samples_per_prompt": samples, "stream": args.stream, "timeout_s": 60,
                              "event_loop": args.event_loop},
               "datasets": {"bench": {"prompts": str(prompts), "model": "m", "backend": "openrouter"}}}
@@ -92,12 +97,12 @@ def bare_round(args: argparse.Namespace, base: str) -> dict:
     import asyncio
 
     from eagledata.eventloop import run as run_event_loop
-    from eagledata.generate.httpclient import Connection, Endpoint, RequestHead
+    from eagledata.generate.transport import new_client, send
 
-    ep = Endpoint.parse(base + "/chat/completions")
-    head = RequestHead("POST", ep, {"Authorization": "Bearer x", "Content-Type": "application/json"})
+    url = base + "/chat/completions"
+    headers = {"Authorization": "Bearer x", "Content-Type": "application/json"}
     bodies = [json.dumps({"model": "moonshotai/kimi-k2.5", "messages": [{"role": "user", "content": f"Question {i}?"}],
-                          "max_tokens": 256, "stream": args.stream}).encode() for i in range(args.prompts)]
+                          "max_tokens": max_tokens(args), "stream": args.stream}).encode() for i in range(args.prompts)]
     n = max(1, args.requests // args.prompts) * args.prompts
 
     async def run() -> dict:
@@ -105,12 +110,11 @@ def bare_round(args: argparse.Namespace, base: str) -> dict:
         done: list[float] = []
 
         async def worker() -> None:
-            conn = Connection(ep.scheme, ep.host, ep.port)
-            for i in pending:
-                r = await conn.request("POST", ep, head, bodies[i % len(bodies)])
-                assert r.status == 200, r.body[:200]
-                done.append(time.perf_counter())
-            conn.close()
+            async with new_client(headers=headers) as client:  # one client per worker, as the job does
+                for i in pending:
+                    r = await send(client, "POST", url, bodies[i % len(bodies)], timeout=60)
+                    assert r.status == 200, r.body[:200]
+                    done.append(time.perf_counter())
 
         c0, w0 = time.process_time(), time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
@@ -129,6 +133,9 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--latency-ms", type=float, default=50.0)
+    ap.add_argument("--latency-jitter-ms", type=float, default=0.0, help="the stand-in's latency varies by +- this")
+    ap.add_argument("--content-tokens", type=int, nargs=2, default=[8, 24], metavar=("MIN", "MAX"),
+                    help="answer length range (about 4 bytes of body per token: 1250 5000 gives 5-20 KB bodies)")
     ap.add_argument("--rounds", type=int, default=3, help="jobs run one after another; the median is the result")
     ap.add_argument("--event-loop", default="auto", choices=["auto", "uvloop", "asyncio"])
     ap.add_argument("--stream", action="store_true", help="SSE streams instead of JSON bodies")
@@ -141,8 +148,9 @@ def main() -> int:
         tok = _tokenizer_dir(tmp)
         port_file = tmp / "port"
         server = subprocess.Popen([sys.executable, "-m", "eagledata.standin.server", "--tokenizer", str(tok), "--family", "kimi-k2.5",
-                                   "--latency-ms", str(args.latency_ms), "--port-file", str(port_file),
-                                   "--content-tokens", "8", "24", "--reasoning-tokens", "8", "24"],
+                                   "--latency-ms", str(args.latency_ms), "--latency-jitter-ms", str(args.latency_jitter_ms),
+                                   "--port-file", str(port_file),
+                                   "--content-tokens", *map(str, args.content_tokens), "--reasoning-tokens", "8", "24"],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
             t0 = time.monotonic()

@@ -4,7 +4,7 @@ from pathlib import Path
 
 from eagledata.codeinputs import package_dir_for, stage_code
 from eagledata.config import dataset_settings, validate_config
-from eagledata.generate.job import GenerateRuleInputs
+from eagledata.generate.ruleinputs import GenerateRuleInputs
 
 validate_config(config, "config")  # same defaults and cross-checks as the library
 

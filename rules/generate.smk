@@ -2,7 +2,7 @@
 # Paid responses live in the resumable cache {cache_dir}/{dataset}/responses.jsonl, which is NOT an
 # output: a failed or killed job keeps them, and a rerun requests only what is missing. Parallel
 # generate jobs share the budget ledger {cache_dir}/budget.sqlite (not an output either). The input
-# and params functions are methods of eagledata.generate.job.GenerateRuleInputs (bound to config in
+# and params functions are methods of eagledata.generate.ruleinputs.GenerateRuleInputs (bound to config in
 # rules/common.smk as generate_inputs) and generate_tokenizer (rules/common.smk).
 rule generate:
     """Send every prompt (x samples) to the dataset's backend; exact bodies, resumable cache."""

@@ -2,8 +2,9 @@
 import json
 import sys
 
-from eagledata.generate.job import GenerationError, Interrupted, generate_dataset
-from eagledata.generate.prompts import PromptFileError
+from eagledata.errors import EagledataError
+from eagledata.generate.errors import Interrupted
+from eagledata.generate.job import generate_dataset
 from eagledata.logs import line_log
 
 sm = snakemake  # noqa: F821 - injected by Snakemake
@@ -16,7 +17,7 @@ with line_log(sm.log[0]) as log:
         log(f"INTERRUPTED: {exc}")
         print(f"generate {sm.wildcards.dataset}: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
-    except (GenerationError, PromptFileError) as exc:  # expected stops: message only (file:line:field for prompts)
+    except EagledataError as exc:  # expected stops: message only (file:line:field for prompts and config)
         log(f"ERROR: {exc}")
         print(f"generate {sm.wildcards.dataset}: {exc}", file=sys.stderr)
         sys.exit(1)

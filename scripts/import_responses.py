@@ -1,9 +1,10 @@
-"""Snakemake entry for rule `import_responses` (plumbing only; logic in eagledata.generate.job)."""
+"""Snakemake entry for rule `import_responses` (plumbing only; logic in eagledata.generate.imports)."""
 import json
 import sys
 
 from eagledata.config import dataset_settings
-from eagledata.generate.job import ResponsesFileError, import_responses
+from eagledata.generate.imports import import_responses
+from eagledata.io import ResponsesFileError
 from eagledata.logs import line_log
 
 sm = snakemake  # noqa: F821 - injected by Snakemake

@@ -12,7 +12,8 @@ import pytest
 
 from eagledata.generate.budget import BudgetExhausted, BudgetLedger, LedgerBusy, LedgerSession, Reserve, ledger_path
 from eagledata.cli import main as cli_main
-from eagledata.generate.job import generate_dataset, key_usage, reconcile_generations
+from eagledata.generate.job import generate_dataset
+from eagledata.generate.openrouter import key_usage, reconcile_generations
 from eagledata.standin.server import SimulatorServer
 from gen_helpers import API_KEY, generate_cmd, make_config, quiet, read_jsonl, spawn, write_prompts
 

@@ -24,7 +24,9 @@ import pytest
 from eagledata.generate.budget import BudgetLedger
 from eagledata.generate.cachelock import acquire_writer_lock
 from eagledata.config import validate_config
-from eagledata.generate.job import GenerationError, JobStopped, ResponseCache, generate_dataset
+from eagledata.generate.cache import ResponseCache
+from eagledata.generate.errors import GenerationError, JobStopped
+from eagledata.generate.job import generate_dataset
 from eagledata.generate.plan import plan_dataset
 from eagledata.standin.server import SimulatorServer, prompt_hash
 from gen_helpers import (API_KEY, StandInProcess, cache_lines, generate_cmd, ledger_counted, ledger_rows, make_config,
@@ -230,7 +232,7 @@ def test_injected_enospc_loses_no_paid_answer(stand_in, k25, tmp_path, key, monk
     sim = stand_in(latency_ms=40)
     cfg = make_config(tmp_path, write_prompts(tmp_path / "p.jsonl", 16), k25[0].source, api_base=sim.base_url,
                       concurrency=4, drain_timeout_s=3 if space_returns else 0.3)
-    monkeypatch.setattr("eagledata.generate.job.FSYNC_INTERVAL_S", 0.0)  # a background fsync after every record
+    monkeypatch.setattr("eagledata.generate.cache.FSYNC_INTERVAL_S", 0.0)  # a background fsync after every record
     disk = FullDisk(monkeypatch, kind, after=5, free_after=0.4 if space_returns else None)
     path = tmp_path / "cache" / "d" / "responses.jsonl"
     logs: list[str] = []

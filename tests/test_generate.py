@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 
 from eagledata.config import dataset_settings, validate_config
-from eagledata.generate.job import (GenerationError, JobStopped, ResponsesFileError, build_request, cache_key,
-                                generate_dataset, generate_dataset_async, import_responses, request_params,
-                                work_items)
+from eagledata.generate.errors import GenerationError, JobStopped
+from eagledata.generate.imports import import_responses
+from eagledata.generate.job import generate_dataset, generate_dataset_async
+from eagledata.generate.requests import build_request, cache_key, request_params, work_items
+from eagledata.io import ResponsesFileError
 from eagledata.generate.prompts import PromptFileError, read_prompts
 from eagledata.tokens.responses import parse_response
 from eagledata.standin.server import SimulatorServer, prompt_hash

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from eagledata.generate.job import GenerationError, Interrupted, generate_dataset
+from eagledata.generate.errors import GenerationError, Interrupted
+from eagledata.generate.job import generate_dataset
 from eagledata.generate.progress import Progress
 from eagledata.tokens.responses import parse_response
 from eagledata.standin.server import SimulatorServer, prompt_hash

@@ -325,7 +325,7 @@ def _stopped(cfg: dict, tmp: Path) -> str:
 def test_failing_self_check_stops_before_paying(in_process, tmp_path, monkeypatch):
     """Proves: a tokenizer failing its self-check (a special id that decodes to another token)
     stops the job in preflight, the message naming the token, the id and the directory."""
-    import eagledata.generate.plan as plan_mod
+    import eagledata.generate.tokenizers as plan_mod
     import eagledata.text.tokenizer as tokenizer_mod
 
     sim, cfg = in_process

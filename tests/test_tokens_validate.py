@@ -157,7 +157,7 @@ def test_fidelity_profiles_accumulate_across_runs_without_double_counting(k25, s
 def test_plain_openrouter_log_lines_import_like_recordings(k2, recorded, tmp_path):
     """A log of parsed responses (request beside response, or the response with its request inside)
     goes through the same stages; the records say their bodies were re-serialized."""
-    from eagledata.generate.job import read_response_records
+    from eagledata.generate.imports import read_response_records
 
     tok, fam = k2
     plain = [r for r in recorded if not r["request"].get("stream")][:6]

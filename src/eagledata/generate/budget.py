@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
+from eagledata.errors import EagledataError
+
 EPS = 1e-12
 HOST = socket.gethostname()
 LEDGER_NAME = "budget.sqlite"
@@ -86,16 +88,17 @@ CHECKPOINT_INTERVAL_S = 1.0  # a generation job checkpoints the WAL this often, 
 DEFAULT_WAL_AUTOCHECKPOINT = 1000  # SQLite's default (pages)
 
 
-class LedgerBusy(Exception):
+class LedgerBusy(EagledataError):
     """Another process holds the ledger's write lock (raised by ``apply(..., wait=False)``; nothing
     was changed)."""
 
 
-class BudgetExhausted(Exception):
+class BudgetExhausted(EagledataError):
     """No further request may start: the message names the cap and the amounts."""
 
 
 def ledger_path(cache_dir: str | Path) -> Path:
+    """The ledger of a cache dir: ``{cache_dir}/budget.sqlite``."""
     return Path(cache_dir) / LEDGER_NAME
 
 
@@ -199,18 +202,6 @@ class BudgetLedger:
                         (cost, now, *sets.values(), ref))
         self._bump(dataset, spent=cost, held=-reserved if state in HELD_STATES else 0.0)
         return True
-
-    def _orphan(self, ref: str, now: float, **fields: Any) -> None:
-        sets = {k: v for k, v in fields.items() if v is not None}
-        cols = "".join(f", {k}=?" for k in sets)
-        self.db.execute(f"UPDATE reservations SET state='orphaned', updated=?{cols} WHERE ref=? AND state='reserved'",
-                        (now, *sets.values(), ref))
-
-    def _note(self, ref: str, now: float, **fields: Any) -> None:
-        sets = {k: v for k, v in fields.items() if v is not None}
-        if sets:
-            cols = ", ".join(f"{k}=?" for k in sets)
-            self.db.execute(f"UPDATE reservations SET {cols}, updated=? WHERE ref=?", (*sets.values(), now, ref))
 
     def _mark_dead(self) -> int:
         """Reservations of processes that no longer run become orphans (still held)."""
@@ -655,6 +646,7 @@ class LedgerSession:
 
 def format_report(rows: list[dict[str, Any]], totals: Mapping[str, Mapping[str, float]], budget_usd: float | None,
                   dataset_budgets: Mapping[str, float | None]) -> str:
+    """The ``eagledata budget`` table: spent and held per dataset, the caps and what is left."""
     head = f"{'dataset':<16} {'provider':<22} {'attempts':>8} {'spent':>11} {'in flight':>11} {'orphaned':>11} {'tokens in/out':>21}"
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -690,7 +682,7 @@ def cmd_budget(args: Any) -> int:
     try:
         notes = []
         if args.reconcile:
-            from eagledata.generate.job import API_KEY_ENV, key_usage, reconcile_generations
+            from eagledata.generate.openrouter import API_KEY_ENV, key_usage, reconcile_generations
 
             key = os.environ.get(API_KEY_ENV)
             if not key:

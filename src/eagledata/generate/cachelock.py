@@ -29,6 +29,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from eagledata.errors import EagledataError
+
 LOCK_NAME = "writer.lock"
 DEFAULT_WAIT_S = 3600.0
 WAIT_ENV = "EAGLEDATA_CACHE_LOCK_WAIT_S"
@@ -36,11 +38,12 @@ POLL_S = 0.05
 FIRST_NOTE_S = 0.2
 
 
-class CacheLockTimeout(TimeoutError):
+class CacheLockTimeout(EagledataError, TimeoutError):
     """The dataset's cache stayed locked by another job for the whole wait; the message names it."""
 
 
 def lock_path(cache_dir: str | Path, dataset: str) -> Path:
+    """The writer lock file of a dataset cache: ``{cache_dir}/{dataset}/writer.lock``."""
     return Path(cache_dir) / dataset / LOCK_NAME
 
 

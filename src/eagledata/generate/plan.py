@@ -11,7 +11,7 @@ for byte-level BPE vocabularies).
 cached, how many would be requested, and the cost range of those: low (prompt + one completion
 token each), expected (prompt + the mean completion length of the dataset's cached responses, when
 there are any) and worst case (the budget reservation); plus the ledger's spend and the budget left.
-It also runs the cheap part of the generate job's preflight (:func:`eagledata.generate.preflight.tokenizer_problem`:
+It also runs the cheap part of the generate job's preflight (:func:`eagledata.generate.tokenizers.tokenizer_problem`:
 the tokenizer directory is found and holds tokenizer files) and exits 1, naming the path, where it
 fails; a config error (unknown key, bad dataset name) stops it with the message, exit 2.
 """
@@ -24,8 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from eagledata.config import DatasetSettings, dataset_settings, load_model_tokenizer
+from eagledata.config import DatasetSettings, dataset_settings
+from eagledata.generate.budget import BudgetLedger, ledger_path
+from eagledata.generate.cache import ResponseCache
 from eagledata.generate.prompts import canonical_json
+from eagledata.generate.requests import dataset_work
+from eagledata.generate.tokenizers import cached_model_tokenizer, tokenizer_problem, workflow_built
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class Price:
 
 
 def price_bound(settings: DatasetSettings) -> Price:
+    """The price bound of a dataset: ``provider.max_price`` where set, else ``price_per_mtok``."""
     own = settings.model.get("price_per_mtok") or {}
     price = Price(float(own.get("prompt", 0) or 0), float(own.get("completion", 0) or 0), f"models.{settings.model_name}.price_per_mtok")
     max_price = ((settings.generation.get("provider") or {}).get("max_price") or {}) if settings.backend == "openrouter" else {}
@@ -75,39 +80,12 @@ class PromptEstimator:
         return max(1, n_bytes // 4), upper
 
 
-_TOKENIZERS: dict[str, Any] = {}
-
-
-def _tokenizer_key(config: Mapping[str, Any], model_name: str) -> str:
-    m = config["models"][model_name]
-    stamps = []
-    for p in (m.get("tokenizer"), m.get("chat_template")):
-        path = Path(p) if p else None
-        if path is not None and path.exists():
-            files = sorted(path.iterdir()) if path.is_dir() else [path]
-            stamps += [(str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files if f.is_file()]
-    return canonical_json({"model": m, "families": config.get("families"), "files": stamps})
-
-
-def cached_model_tokenizer(config: Mapping[str, Any], model_name: str) -> Any:
-    """:func:`load_model_tokenizer`, remembered per process while the tokenizer files are unchanged."""
-    key = _tokenizer_key(config, model_name)
-    if key not in _TOKENIZERS:
-        if len(_TOKENIZERS) > 8:
-            _TOKENIZERS.clear()
-        _TOKENIZERS[key] = load_model_tokenizer(config, model_name)
-    return _TOKENIZERS[key]
-
-
 def load_estimator(config: Mapping[str, Any], settings: DatasetSettings) -> PromptEstimator:
+    """A prompt-token estimator from the model tokenizer; the byte bound when it does not load."""
     try:
         return PromptEstimator(cached_model_tokenizer(config, settings.model_name))
     except Exception as exc:  # noqa: BLE001 - any load failure falls back to the byte bound
         return PromptEstimator(None, f"tokenizer unavailable: {type(exc).__name__}")
-
-
-def request_worst_case(price: Price, prompt_upper: int, max_tokens: int) -> float:
-    return price.cost(prompt_upper, max_tokens)
 
 
 def _mean_completion_tokens(cache_path: Path, index: Mapping[str, tuple[int, int]], limit: int = 200) -> float | None:
@@ -127,8 +105,6 @@ def _mean_completion_tokens(cache_path: Path, index: Mapping[str, tuple[int, int
 
 def plan_dataset(config: Mapping[str, Any], name: str, estimator: PromptEstimator | None = None) -> dict[str, Any]:
     """The plan of one dataset (see the module docstring)."""
-    from eagledata.generate.job import ResponseCache, dataset_work
-
     s = dataset_settings(config, name)
     if s.imported:
         return {"dataset": name, "backend": "import", "samples": None, "cached": None, "to_request": 0,
@@ -137,8 +113,6 @@ def plan_dataset(config: Mapping[str, Any], name: str, estimator: PromptEstimato
     try:
         work = dataset_work(config, name, tokenizer=estimator.tokenizer)
     except Exception as exc:  # noqa: BLE001 - e.g. the simulator's tokenizer is not built yet
-        from eagledata.generate.preflight import tokenizer_problem, workflow_built
-
         why = f"{type(exc).__name__}: {str(exc)[:120]}"
         if tokenizer_problem(s.model, s.model_name):  # say so, not what a hub lookup of the path said
             why = (f"tokenizer {s.model['tokenizer']} is built by the workflow and not built yet"
@@ -169,9 +143,8 @@ def plan_dataset(config: Mapping[str, Any], name: str, estimator: PromptEstimato
 
 
 def plan(config: Mapping[str, Any], datasets: list[str] | None = None) -> dict[str, Any]:
-    from eagledata.generate.budget import BudgetLedger, ledger_path
+    """The plan of ``datasets`` (all by default) with the ledger's spend and the budget left."""
 
-    from eagledata.generate.preflight import tokenizer_problem, workflow_built
 
     names = datasets or list(config["datasets"])
     rows = [plan_dataset(config, n) for n in names]
@@ -198,6 +171,7 @@ def plan(config: Mapping[str, Any], datasets: list[str] | None = None) -> dict[s
 
 
 def format_plan(p: Mapping[str, Any]) -> str:
+    """The plan as the table ``eagledata plan`` prints."""
     def usd(v: float | None) -> str:
         return "-" if v is None else f"${v:,.4f}"
 

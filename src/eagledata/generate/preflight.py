@@ -6,7 +6,7 @@ money spent on the answers; so :func:`preflight` runs in the generate job after 
 (so only what will be requested is checked) and before the budget ledger is opened or anything is
 sent. In order:
 
-1. **Tokenizer found** (:func:`tokenizer_problem`, cheap, also run by ``eagledata plan``): the
+1. **Tokenizer found** (:func:`~eagledata.generate.tokenizers.tokenizer_problem`, cheap, also run by ``eagledata plan``): the
    ``models.NAME.tokenizer`` directory exists, is a directory, and holds tokenizer files
    (``tiktoken.model`` for ``tokenizer_kind: tiktoken``); a ``chat_template`` override exists. A
    value that is no local path but has the form of a Hugging Face hub id (``org/name``) is left to
@@ -23,7 +23,7 @@ sent. In order:
    ``{results_dir}/_assets/`` is built by the workflow itself (the demo model) and is not checked.
 5. **The cache disk has room** (:func:`expected_cache_bytes`) for the answers to be requested.
 
-Any failure raises :class:`PreflightError` (a :class:`~eagledata.generate.job.GenerationError`, so the
+Any failure raises :class:`PreflightError` (a :class:`~eagledata.generate.errors.GenerationError`, so the
 entry points print the message only) naming the path and what is wrong; nothing has been sent.
 """
 
@@ -36,13 +36,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from eagledata.config import DatasetSettings
-from eagledata.generate.job import GenerationError
-
-#: Files of which a tokenizer directory holds at least one (tiktoken, HF fast, HF slow tokenizers).
-TOKENIZER_FILES = ("tiktoken.model", "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
-                   "spiece.model")
-#: A Hugging Face hub id: ``org/name`` (a value of this form that is no local path goes to the loader).
-HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+from eagledata.generate.errors import GenerationError
+from eagledata.generate.tokenizers import cached_model_tokenizer, shown_path, tokenizer_problem, workflow_built
 
 #: Bytes of cache per completion token of a non-streamed answer: the completion text is about 4 bytes
 #: a token, stored inside ``response_raw`` (JSON inside a JSON string: quotes and backslashes escaped
@@ -63,49 +58,9 @@ def _fail(dataset: str, problem: str) -> PreflightError:
     return PreflightError(f"preflight for dataset {dataset!r} failed, nothing was sent: {problem}")
 
 
-def _shown(path: Path) -> str:
-    """``path`` as written, with its absolute form when it is relative."""
-    return str(path) if path.is_absolute() else f"{path} ({path.resolve()})"
-
-
-def workflow_built(path: str | Path, config: Mapping[str, Any]) -> bool:
-    """Whether a rule of the workflow builds ``path`` (``{results_dir}/_assets/...``: the demo
-    tokenizer and model), so its absence before that rule ran is no error."""
-    assets = Path(config.get("results_dir", "results")) / "_assets"
-    try:
-        return Path(path).resolve().is_relative_to(assets.resolve())
-    except (OSError, ValueError):
-        return False
-
-
-def tokenizer_problem(model: Mapping[str, Any], model_name: str = "?") -> str | None:
-    """What is wrong with ``models.NAME.tokenizer`` (and ``chat_template``) that can be seen without
-    loading it; ``None`` when nothing is (including a hub id, left to the loader)."""
-    source = str(model["tokenizer"])
-    path = Path(source).expanduser()
-    kind = model.get("tokenizer_kind", "auto")
-    where = f"models.{model_name}.tokenizer"
-    if path.exists():
-        if not path.is_dir():
-            return f"tokenizer path is a file, not a directory: {_shown(path)} ({where})"
-        present = [f for f in TOKENIZER_FILES if (path / f).exists()]
-        if not present:
-            return (f"tokenizer directory {_shown(path)} holds no tokenizer files (expected one of "
-                    f"{', '.join(TOKENIZER_FILES)}) ({where})")
-        if kind == "tiktoken" and "tiktoken.model" not in present:
-            return f"tokenizer directory {_shown(path)} has no tiktoken.model (tokenizer_kind: tiktoken) ({where})"
-    elif kind == "tiktoken" or not HUB_ID.fullmatch(source):
-        return f"tokenizer directory not found: {_shown(path)} ({where})"
-    template = model.get("chat_template")
-    if template and not Path(template).expanduser().is_file():
-        return f"chat template file not found: {_shown(Path(template).expanduser())} (models.{model_name}.chat_template)"
-    return None
-
-
 def checked_tokenizer(config: Mapping[str, Any], settings: DatasetSettings) -> Any:
     """The dataset's tokenizer, found, loaded and self-checked (steps 1 and 2; remembered per
-    process, see :func:`eagledata.generate.plan.cached_model_tokenizer`)."""
-    from eagledata.generate.plan import cached_model_tokenizer
+    process, see :func:`eagledata.generate.tokenizers.cached_model_tokenizer`)."""
     from eagledata.text.tokenizer import TokenizerError
 
     model = settings.model
@@ -155,9 +110,9 @@ def weights_problem(config: Mapping[str, Any], settings: DatasetSettings) -> str
     path = Path(weights).expanduser()
     where = f"models.{settings.model_name}.weights; extraction is enabled: fix the path or set extraction.enabled: false"
     if not path.exists():
-        return f"extraction weights directory not found: {_shown(path)} ({where})"
+        return f"extraction weights directory not found: {shown_path(path)} ({where})"
     if not (path / "config.json").is_file():
-        return f"extraction weights directory {_shown(path)} has no config.json (a local HF model dir is needed; {where})"
+        return f"extraction weights directory {shown_path(path)} has no config.json (a local HF model dir is needed; {where})"
     return None
 
 

@@ -12,6 +12,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, TextIO
 
+#: Where a job's messages go (one line each, no newline).
+Log = Callable[[str], None]
+
+
+def stderr_log(message: str) -> None:
+    """The default :data:`Log`: a line on stderr, flushed."""
+    print(message, file=sys.stderr, flush=True)
+
 
 def _duration(seconds: float | None) -> str:
     if seconds is None or seconds != seconds or seconds == float("inf"):

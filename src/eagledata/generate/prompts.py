@@ -7,20 +7,20 @@ Every problem raises :class:`PromptFileError` naming ``file:line:field``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagledata.io import iter_json_lines
+from eagledata.errors import InputError
+from eagledata.io import iter_json_lines, sha256_text
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 #: Top-level keys of a prompt line; ``metadata`` is carried by users and ignored here.
 PROMPT_KEYS = frozenset({"id", "messages", "tools", "metadata"})
 
 
-class PromptFileError(ValueError):
+class PromptFileError(InputError):
     """A prompt file line is unusable; the message starts with ``file:line:field``."""
 
 
@@ -37,11 +37,12 @@ def canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def sha256_hex(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+#: Hex sha256 of a text's UTF-8 bytes (:func:`eagledata.io.sha256_text`; this name is kept for the stand-in).
+sha256_hex = sha256_text
 
 
 def default_prompt_id(messages: list[Any], tools: list[Any] | None) -> str:
+    """The id of a prompt line without one: ``p-`` and 16 hex digits of its content hash."""
     return "p-" + sha256_hex(canonical_json({"messages": messages, "tools": tools or None}))[:16]
 
 

@@ -56,6 +56,7 @@ def rescue_dirs(cache_path: str | Path) -> list[Path]:
 
 
 def cache_tag(cache_path: str | Path, dataset: str) -> str:
+    """The rescue-file name part of a cache: the dataset and a hash of the cache's absolute path."""
     digest = hashlib.sha256(str(Path(cache_path).absolute()).encode("utf-8")).hexdigest()[:12]
     return f"{dataset}-{digest}"
 

@@ -1,0 +1,206 @@
+"""Request bodies and cache keys: what is sent for each sample of a prompts dataset, and the key under
+which its answer is cached.
+
+A cache key is the sha256 of the canonical JSON of the exact request body, plus the sample number for
+samples after the first, plus a salt naming the endpoint when it is not OpenRouter's (and the
+stand-in's identity for the simulator backend), so a rerun requests only what is missing and any
+change of an output-shaping setting requests anew.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+from eagledata.config import DatasetSettings, dataset_settings, load_model_tokenizer
+from eagledata.generate.errors import GenerationError
+from eagledata.generate.prompts import Prompt, canonical_json, read_prompts
+from eagledata.io import sha256_text
+
+DEFAULT_API_BASE = "https://openrouter.ai/api/v1"
+#: Generation settings that shape the responses (the rest only shape how they are fetched).
+OUTPUT_SETTINGS = ("max_tokens", "temperature", "top_p", "seed", "reasoning", "provider", "stream",
+                   "samples_per_prompt", "tool_choice", "parallel_tool_calls", "extra_body", "sglang_endpoint")
+
+
+def uses_native_endpoint(settings: DatasetSettings) -> bool:
+    """Whether the dataset is sent to SGLang's native ``/generate`` (prompt ids, not messages)."""
+    return settings.backend == "sglang" and settings.generation.get("sglang_endpoint") == "generate"
+
+
+def build_request(prompt: Prompt, settings: DatasetSettings, sample_index: int = 0) -> dict[str, Any]:
+    """The exact OpenRouter request body for one sample. Optional settings are sent only when not
+    null; with a ``seed``, sample ``k`` uses ``seed + k``; ``extra_body`` keys are added last
+    (they cannot replace ``model``, ``messages`` or ``tools``)."""
+    g = settings.generation
+    body: dict[str, Any] = {"model": settings.api_model, "messages": prompt.messages}
+    if prompt.tools:
+        body["tools"] = prompt.tools
+        for key in ("tool_choice", "parallel_tool_calls"):
+            if g.get(key) is not None:
+                body[key] = g[key]
+    body["max_tokens"] = g.get("max_tokens", 4096)
+    for key in ("temperature", "top_p"):
+        if g.get(key) is not None:
+            body[key] = g[key]
+    if g.get("seed") is not None:
+        body["seed"] = int(g["seed"]) + sample_index
+    for key in ("reasoning", "provider"):
+        if g.get(key) is not None:
+            body[key] = g[key]
+    body["stream"] = bool(g.get("stream", False))
+    body["usage"] = {"include": True}
+    for key, value in (g.get("extra_body") or {}).items():
+        if key not in ("model", "messages", "tools"):
+            body[key] = value
+    return body
+
+
+def sglang_chat_request(body: Mapping[str, Any]) -> dict[str, Any]:
+    """An OpenRouter body as SGLang's ``/v1/chat/completions`` body: no ``provider``/``usage``
+    (OpenRouter's), never streamed, and the generated (and prompt) token ids requested."""
+    out = {k: v for k, v in body.items() if k not in ("provider", "usage", "stream")}
+    out["stream"] = False
+    out["return_token_ids"] = True
+    out["return_prompt_token_ids"] = True
+    return out
+
+
+def sglang_generate_request(body: Mapping[str, Any], tokenizer: Any) -> dict[str, Any]:
+    """The native ``/generate`` body: the prompt as ids from the model's chat template, the
+    sampling settings in SGLang's names, special tokens kept in the text (so the text path can be
+    checked against the ids)."""
+    from eagledata.text.chat import prompt_ids, request_thinking
+
+    sp: dict[str, Any] = {"max_new_tokens": body.get("max_tokens"), "skip_special_tokens": False, "no_stop_trim": True}
+    for src, dst in (("temperature", "temperature"), ("top_p", "top_p"), ("seed", "sampling_seed")):
+        if body.get(src) is not None:
+            sp[dst] = body[src]
+    for key in ("top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "stop"):
+        if body.get(key) is not None:
+            sp[key] = body[key]
+    ids = prompt_ids(tokenizer, body["messages"], body.get("tools"), thinking=request_thinking(body))
+    return {"input_ids": ids, "sampling_params": sp, "stream": False}
+
+
+def cache_key(body: Mapping[str, Any], sample_index: int = 0, salt: Mapping[str, Any] | None = None) -> str:
+    """sha256 of the canonical JSON of ``body``; samples after the first and a backend ``salt``
+    (the endpoint; the simulator's seed, profile and tokenizer) are appended, since they change
+    the answer to an identical body."""
+    text = canonical_json(body)
+    extra = {k: v for k, v in (("sample", sample_index or None), ("salt", salt or None)) if v is not None}
+    if extra:
+        text += "\n" + canonical_json(extra)
+    return sha256_text(text)
+
+
+def simulator_settings(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The stand-in settings that shape its answers (seed, provider profile)."""
+    sim = dict(config.get("simulator") or {})
+    return {"seed": sim.get("seed", 0), "provider": sim.get("provider", "exact")}
+
+
+def normalized_api_base(settings: DatasetSettings) -> str:
+    """``generation.api_base`` without a trailing slash (SGLang's: the server root, no ``/v1``)."""
+    base = str(settings.generation.get("api_base") or DEFAULT_API_BASE).rstrip("/")
+    if settings.backend == "sglang":
+        base = base.removesuffix("/v1")
+    return base
+
+
+def endpoint_salt(settings: DatasetSettings) -> dict[str, Any] | None:
+    """What, beyond the body, selects the model that answers: a non-default endpoint."""
+    if settings.backend == "simulator":
+        return None
+    base = normalized_api_base(settings)
+    if settings.backend == "sglang":
+        return {"endpoint": base, "sglang": settings.generation.get("sglang_endpoint", "chat")}
+    return None if base == DEFAULT_API_BASE else {"endpoint": base}
+
+
+def request_params(settings: DatasetSettings, config: Mapping[str, Any]) -> dict[str, Any]:
+    """The output-shaping settings of a dataset (the ``generate`` rule's ``params``): changing one
+    reruns the rule, and the cache makes that rerun request only what changed. Concurrency,
+    timeouts, retry and budget settings are left out on purpose."""
+    params: dict[str, Any] = {"backend": settings.backend, "model": settings.api_model}
+    params.update({k: settings.generation.get(k) for k in OUTPUT_SETTINGS})
+    salt = endpoint_salt(settings)
+    if salt:
+        params["endpoint"] = salt
+    if settings.backend == "simulator":
+        params["simulator"] = simulator_settings(config)
+        params["price_per_mtok"] = dict(settings.model.get("price_per_mtok") or {})
+    return params
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One sample to request: its ids, the exact body (and its serialisation) and its cache key."""
+
+    id: str
+    prompt_id: str
+    sample_index: int
+    request: dict[str, Any]  # the exact body sent
+    cache_key: str
+    chat_request: dict[str, Any]  # the OpenAI-form request (== request for chat endpoints)
+    body_json: str  # ``request`` serialised: the bytes sent, and embedded as-is in the record
+
+
+@dataclass
+class DatasetWork:
+    """A prompts dataset's work: settings, prompts, every sample's item, the endpoint."""
+
+    settings: DatasetSettings
+    prompts: list[Prompt]
+    items: list[WorkItem]
+    salt: dict[str, Any] | None
+    url: str  # the completion endpoint
+    api_base: str
+
+
+def work_items(prompts: Iterable[Prompt], settings: DatasetSettings, salt: Mapping[str, Any] | None = None,
+               tokenizer: Any = None) -> list[WorkItem]:
+    """Every sample of ``prompts`` in prompt-file order (``samples_per_prompt`` each; ids
+    ``PROMPT#k`` when more than one), with the body the dataset's backend is sent."""
+    n = int(settings.generation.get("samples_per_prompt", 1))
+    native = uses_native_endpoint(settings)
+    items = []
+    for p in prompts:
+        for k in range(n):
+            chat = build_request(p, settings, k)
+            if settings.backend == "sglang":
+                body = sglang_generate_request(chat, tokenizer) if native else sglang_chat_request(chat)
+            else:
+                body = chat
+            items.append(WorkItem(p.id if n == 1 else f"{p.id}#{k}", p.id, k, body, cache_key(body, k, salt), chat,
+                                  json.dumps(body, ensure_ascii=False)))
+    return items
+
+
+def simulator_salt(config: Mapping[str, Any], settings: DatasetSettings, tokenizer: Any) -> dict[str, Any]:
+    """The stand-in's identity (settings, tokenizer fingerprint, prices): it shapes its answers."""
+    return {"simulator": {**simulator_settings(config), "tokenizer": tokenizer.fingerprint,
+                          "price_per_mtok": dict(settings.model.get("price_per_mtok") or {})}}
+
+
+def dataset_work(config: Mapping[str, Any], dataset: str, tokenizer: Any = None) -> DatasetWork:
+    """The work of a prompts dataset: every sample's exact request and cache key. ``tokenizer`` is
+    needed for the simulator backend (its identity salts the keys) and SGLang's native endpoint."""
+    s = dataset_settings(config, dataset)
+    if s.imported or not s.prompts:
+        raise GenerationError(f"dataset {dataset!r} has 'responses:' (imported); it is not generated")
+    if s.backend not in ("openrouter", "sglang", "simulator"):
+        raise GenerationError(f"dataset {dataset!r}: unknown backend {s.backend!r}")
+    native = uses_native_endpoint(s)
+    if tokenizer is None and (s.backend == "simulator" or native):
+        tokenizer = load_model_tokenizer(config, s.model_name)
+    prompts = read_prompts(s.prompts)
+    salt = simulator_salt(config, s, tokenizer) if s.backend == "simulator" else endpoint_salt(s)
+    base = normalized_api_base(s)
+    if s.backend == "sglang":
+        url = base + ("/generate" if native else "/v1/chat/completions")
+    else:
+        url = base + "/chat/completions"
+    return DatasetWork(s, prompts, work_items(prompts, s, salt, tokenizer), salt, url, base)
+

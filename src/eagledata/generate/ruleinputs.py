@@ -1,0 +1,39 @@
+"""The named input and params functions of ``rules/generate.smk``, bound to the workflow's config
+(kept in the package because ``snakemake --lint`` wants no functions beside rules)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+from eagledata.config import DatasetSettings, dataset_settings
+from eagledata.generate.requests import request_params
+
+
+class GenerateRuleInputs:
+    """The named input and params functions of ``rules/generate.smk``, bound to the workflow's
+    config (kept here because ``snakemake --lint`` wants no functions beside rules)."""
+
+    def __init__(self, config: Mapping[str, Any], tokenizer_input: Callable[[Any], Any]):
+        self.config = config
+        self.tokenizer_input = tokenizer_input
+
+    def settings(self, wildcards: Any) -> DatasetSettings:
+        return dataset_settings(self.config, wildcards.dataset)
+
+    def prompts(self, wildcards: Any) -> str:
+        return self.settings(wildcards).prompts
+
+    def tokenizer(self, wildcards: Any) -> Any:
+        """The simulator answers with the model's tokenizer, and SGLang's native endpoint is sent
+        prompt ids from it, so its files shape the responses there."""
+        s = self.settings(wildcards)
+        shaped = s.backend == "simulator" or (s.backend == "sglang" and s.generation.get("sglang_endpoint") == "generate")
+        return self.tokenizer_input(wildcards) if shaped else []
+
+    def request(self, wildcards: Any) -> dict[str, Any]:
+        """Output-shaping settings (see :func:`request_params`)."""
+        return request_params(self.settings(wildcards), self.config)
+
+    def imported(self, wildcards: Any) -> str:
+        return self.settings(wildcards).responses
+
