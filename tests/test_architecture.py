@@ -152,3 +152,19 @@ def test_stage_scripts_reach_their_package_in_one_hop(script):
     files = stage_code(ROOT / "scripts" / script, PKG, ROOT)
     assert any(f.startswith(f"src/eagledata/{stage}/") for f in files), files
     assert (ROOT / "rules" / f"{stage}.smk").is_file()
+
+
+def test_one_cli_with_every_subcommand():
+    import subprocess
+    import sys
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "eagledata.cli", *args], capture_output=True, text=True, timeout=60)
+
+    top = cli("--help")
+    for name in ("explain", "profiles", "plan", "budget", "standin", "gpus", "report"):
+        assert name in top.stdout, name
+    standin = cli("standin", "--help")  # options after the name are the stand-in's own
+    assert standin.returncode == 0 and "--tokenizer" in standin.stdout and "--profile" in standin.stdout
+    gpus = cli("gpus", "0")
+    assert gpus.returncode == 0 and gpus.stdout.strip() == ""

@@ -1,7 +1,9 @@
 """Command line: ``eagledata explain SAMPLE_ID`` prints one sample's segments, ids, counts and verdict.
 
 ``eagledata plan`` shows what generation would request and cost per dataset (nothing is sent);
-``eagledata budget`` shows the spend recorded in the budget ledger and reconciles orphans.
+``eagledata budget`` shows the spend recorded in the budget ledger and reconciles orphans;
+``eagledata profiles`` the provider fidelity accumulated over runs; ``eagledata standin``, ``gpus``
+and ``report`` run the stand-in, the GPU claim wrapper and the report builder with their own options.
 
 Reads the token shards a pipeline run wrote (``{results_dir}/{dataset}/tokens``); it never calls an
 API. ``--dataset`` narrows the search; without it every dataset of the config is searched.
@@ -92,6 +94,10 @@ def cmd_profiles(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    modules = {name: module for name, module, _ in PASSTHROUGH}
+    if argv and argv[0] in modules:  # every argument after the name is that module's own
+        return _passthrough(modules[argv[0]])(argparse.Namespace(rest=argv[1:]))
     ap = argparse.ArgumentParser(prog="eagledata", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
     ex = sub.add_parser("explain", help="print one sample's segments, ids, counts and verdict")
@@ -117,8 +123,29 @@ def main(argv: list[str] | None = None) -> int:
     bu.add_argument("--release-orphans", action="store_true",
                     help="settle every orphaned reservation at $0 (after checking the provider's activity page)")
     bu.set_defaults(func=_lazy("eagledata.generate.budget", "cmd_budget"))
+    for name, module, help_ in PASSTHROUGH:
+        sp = sub.add_parser(name, help=help_, add_help=False)
+        sp.add_argument("rest", nargs=argparse.REMAINDER)
+        sp.set_defaults(func=_passthrough(module))
     args = ap.parse_args(argv)
     return args.func(args)
+
+
+#: Subcommands whose arguments belong to another module's own ``main`` (``eagledata standin --help``).
+PASSTHROUGH = (
+    ("standin", "eagledata.standin.cli", "run the local OpenRouter/SGLang stand-in (demo backend, rehearsals with faults)"),
+    ("gpus", "eagledata.extract.gpus", "claim N GPUs (flock) and run a command with CUDA_VISIBLE_DEVICES set"),
+    ("report", "eagledata.report.build", "build the HTML reports from existing token shards (after a failed validate)"),
+)
+
+
+def _passthrough(module: str):
+    def run(args: argparse.Namespace) -> int:
+        import importlib
+
+        return int(importlib.import_module(module).main(args.rest) or 0)
+
+    return run
 
 
 def _lazy(module: str, name: str):
