@@ -11,9 +11,10 @@ try:
     ds = dataset_settings(sm.config, sm.wildcards.dataset)
     tokenizer = load_model_tokenizer(sm.config, ds.model_name)
     result = build_token_shards(sm.input.responses, sm.output[0], tokenizer, ds.family, ds.name,
-                                shard_size=sm.params.shard_size, policy=sm.params.policy)
+                                shard_size=sm.params.shard_size, policy=sm.params.policy, store_dir=sm.params.store)
     m = result.manifest
     logging.info("%s: %d samples in %d shards, tokenizer %s", ds.name, m["rows"], len(m["shards"]), m["tokenizer_fingerprint"][:16])
+    logging.info("shards: %d written, %d unchanged (left untouched) in %s", len(result.written), len(result.kept), sm.params.store)
     logging.info("provider conventions: %s", m["conventions"])
 except Exception:
     logging.exception("tokens failed")

@@ -4,7 +4,7 @@ import polars as pl
 import pytest
 
 from eagledata.text.chat import prompt_ids
-from eagledata.tokens.shards import ResponsesFileError, build_token_shards, read_shards, sha256_file
+from eagledata.tokens.shards import ResponsesFileError, build_token_shards, read_shards, sha256_file, shard_groups
 from eagledata.validate.summary import ValidationFailed, summarize, write_validation
 
 MSGS = [{"role": "user", "content": "What is 2+3?"}]
@@ -83,7 +83,11 @@ def test_verdicts_on_adversarial_samples(k25, synthetic, tmp_path):
     strict = build_token_shards(synthetic, tmp_path / "strict", tok, fam, "syn", policy="strict")
     kept = set(read_shards(tmp_path / "strict").filter(pl.col("train"))["id"])
     assert strict.manifest["policy"] == "strict" and kept == {"exact", "exact2", "literal"}
-    assert len(res.manifest["shards"]) == 3 and [s["rows"] for s in res.manifest["shards"]] == [4, 4, 1]
+    # shards by id (eagledata.tokens.shards: content-defined), not by line: [2, 4, 3] for these ids
+    groups = shard_groups(list(v), 4)
+    assert [s["rows"] for s in res.manifest["shards"]] == [len(g) for g in groups] == [2, 4, 3]
+    assert [s["first_id"] for s in res.manifest["shards"]] == [g[0] for g in groups]
+    assert list(df["id"]) == sorted(v)
     for s in res.manifest["shards"]:
         assert sha256_file(tmp_path / "tokens" / s["file"]) == s["sha256"]
     assert res.manifest["tokenizer_fingerprint"] == tok.fingerprint

@@ -21,13 +21,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from eagledata.errors import InputError
 from eagledata.tokens.checks import PROMPT_VERDICTS, VERDICTS
 
 _PROVEN = ("exact", "repaired")
 _PROMPT_RENDERED = ("exact", "differs", "unbilled")
 
 
-class PolicyError(ValueError):
+class PolicyError(InputError):  # an InputError, so still a ValueError
     pass
 
 

@@ -1,8 +1,7 @@
 """Token stage: a dataset's responses file -> Parquet token shards with verdicts, plus a manifest.
 
-Each shard holds ``shard_size`` samples (one row per response record, in file order), with columns:
-``id``, ``provider``, ``model``, ``finish_reason``, ``status``, ``input_ids`` (prompt + completion,
-int64), ``prompt_len``, ``completion_len``, ``reasoning_len``, ``billed_prompt``,
+Columns of every shard: ``id``, ``provider``, ``model``, ``finish_reason``, ``status``, ``input_ids``
+(prompt + completion, int64), ``prompt_len``, ``completion_len``, ``reasoning_len``, ``billed_prompt``,
 ``billed_completion``, ``billed_reasoning``, ``completion_diff`` (ours minus billed under the
 provider's convention), ``prompt_diff``, ``flags`` (reconstruction flags), ``verdict`` (both sides
 together: a differing prompt makes it ``mismatch``), ``completion_verdict`` (exact | repaired |
@@ -10,11 +9,43 @@ mismatch | error), ``prompt_verdict`` (exact | differs | unbilled | error), ``pr
 provider's learned rendering variant explaining a differing prompt, else null), ``reasons``,
 ``train`` (the dataset's policy admits the sample, see :mod:`eagledata.tokens.policy`), ``segments`` and
 ``tool_id_rewrites`` (JSON), ``repair`` (evidence, JSON), ``cost``. ``manifest.json`` lists shards
-with row counts and sha256, the tokenizer fingerprint, the policy and what was learned per
-provider: count conventions, reasoning count reliability and prompt rendering variants.
+in order (``file``, ``rows``, ``sha256``, ``first_id``, ``last_id``), the sharding rule, the
+tokenizer fingerprint, the policy and what was learned per provider: count conventions, reasoning
+count reliability and prompt rendering variants.
 
-Two passes keep memory flat: shards are written as samples are reconstructed; verdicts need every
-sample's counts (to learn each provider's convention), so a second pass adds them to each shard.
+**Stable shards (content-defined by id).** A sample's shard depends on its id, never on its line in
+the responses file. Samples are sorted by id (Python string order) and a new shard starts at every
+id whose ``int(sha256(id as UTF-8), 16) % shard_size == 0`` (a *boundary id*), so shards hold
+``shard_size`` samples on average; a shard that reaches ``MAX_SHARD_FACTOR * shard_size`` rows (4x)
+is cut there regardless, so none grows without bound (about 2% of shards at a large ``shard_size``).
+Inserting or removing one sample therefore changes one shard: the one whose id range holds it (two
+when the new id is itself a boundary id, which splits a shard; a removed boundary id merges two).
+Only a run of forced cuts shifts, up to the next boundary id. Records without an ``id`` get
+``{dataset}-{line:06d}``, which depends on the line: give samples ids to keep their shards stable.
+Each shard file is named by its content, ``shard-<first 16 hex of its sha256>.parquet``, so an
+unchanged shard keeps its name, and a changed one gets a new name (its old file is removed).
+
+**Untouched shards.** Every shard is written to a temporary file, hashed, and kept only if no file of
+that content exists yet: an unchanged shard keeps its bytes, inode and mtime, so whatever depends on
+it (extraction skips shards whose source sha256 it has done) has nothing to redo. The conventions are
+learned over the whole dataset, so a new sample that changes a learned convention changes verdicts,
+and so files, in other shards too: those legitimately change.
+
+**Where the files live.** The ``tokens`` rule's output is a Snakemake ``directory()``, which Snakemake
+deletes before rerunning the job, so files kept inside it would not survive a rerun. The shards
+therefore live in a store directory that is *not* an output (``store_dir``; the rule passes the
+sibling ``{dataset}/tokens.store``, as the generate stage keeps its paid responses outside the
+outputs), and the declared ``tokens/`` directory gets ``manifest.json`` and a hard link per shard
+(a copy with the same mtime where the file system cannot link), so every reader of ``tokens/`` is
+unchanged. Snakemake's ``update()`` flag would keep the directory too, but it copies the whole
+directory to a backup before every run; declaring only the manifest would change every downstream
+rule's input. After a successful run the store holds exactly the manifest's shards. Without
+``store_dir`` the shards are written (and kept when unchanged) in ``out_dir`` itself.
+
+Memory stays flat: a first pass reads ids and byte offsets only; the second reconstructs samples in
+id order, writing one shard at a time to a scratch directory; verdicts need every sample's counts (to
+learn each provider's convention, from the samples in file order), so a third pass adds them to each
+shard and writes its final file.
 """
 
 from __future__ import annotations
@@ -22,10 +53,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import polars as pl
 
@@ -35,45 +67,87 @@ from eagledata.tokens.learning import learn_prompt_variants, learn_reasoning_rel
 from eagledata.tokens.policy import Policy, resolve_policy
 from eagledata.tokens.repairs import (WHITESPACE_CONTENT, WHITESPACE_REASONING, RepairResult, applicable_transforms,
                       parsed_from_segments, search_repairs)
+from eagledata.errors import InputError
 from eagledata.text.families import ModelFamily
-from eagledata.io import ResponsesFileError, iter_json_lines, normalize_response_line
+from eagledata.io import (ResponsesFileError, atomic_path, atomic_write_json, iter_json_lines, normalize_response_line,
+                          sha256_file)
 from eagledata.tokens.samples import alternative_prompt_lengths, record_id, tokenize_record
 from eagledata.text.tokenizer import Tokenizer
 
-SHARD_NAME = "shard-{:05d}.parquet"
+__all__ = ["MAX_SHARD_FACTOR", "ResponsesFileError", "TokenStageResult", "build_token_shards", "is_boundary_id",
+           "iter_records", "read_shards", "sha256_file", "shard_groups", "shard_name"]
+
+#: A shard is cut at ``MAX_SHARD_FACTOR * shard_size`` rows even without a boundary id.
+MAX_SHARD_FACTOR = 4
+SHARD_PREFIX = "shard-"
+
+
+def is_boundary_id(sample_id: str, shard_size: int) -> bool:
+    """Does a new shard start at ``sample_id``? ``int(sha256(id), 16) % shard_size == 0``."""
+    return int.from_bytes(hashlib.sha256(sample_id.encode("utf-8")).digest(), "big") % shard_size == 0
+
+
+def shard_groups(ids: Sequence[str], shard_size: int, max_factor: int = MAX_SHARD_FACTOR) -> list[list[str]]:
+    """``ids`` cut into shards by the content-defined rule (see the module docstring): sorted, a new
+    shard at each boundary id, and at ``max_factor * shard_size`` rows at the latest. Always at
+    least one (possibly empty) shard."""
+    if shard_size < 1:
+        raise InputError(f"tokens.shard_size must be >= 1, got {shard_size}")
+    cap = max_factor * shard_size
+    groups: list[list[str]] = [[]]
+    for sid in sorted(ids):
+        cur = groups[-1]
+        if cur and (len(cur) >= cap or is_boundary_id(sid, shard_size)):
+            groups.append(cur := [])
+        cur.append(sid)
+    return groups
+
+
+def shard_name(sha256_hex: str) -> str:
+    """A shard's file name from its content's sha256."""
+    return f"{SHARD_PREFIX}{sha256_hex[:16]}.parquet"
 
 
 def iter_records(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yield (line number, record) of a responses JSONL (any shape :func:`normalize_response_line`
     accepts); bad lines raise naming file:line:field."""
     for lineno, where, rec in iter_json_lines(path, ResponsesFileError, "responses file"):
-        rec = normalize_response_line(rec)
-        for key in ("request", "response_raw"):
-            if key not in rec:
-                raise ResponsesFileError(f"{where}:{key}: missing")
-        if not isinstance(rec["request"], dict):
-            raise ResponsesFileError(f"{where}:request: must be an object")
-        yield lineno, rec
+        yield lineno, _checked(rec, where)
 
 
-def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
+def _checked(rec: dict[str, Any], where: str) -> dict[str, Any]:
+    rec = normalize_response_line(rec)
+    for key in ("request", "response_raw"):
+        if key not in rec:
+            raise ResponsesFileError(f"{where}:{key}: missing")
+    if not isinstance(rec["request"], dict):
+        raise ResponsesFileError(f"{where}:request: must be an object")
+    return rec
+
+
+def _line_offsets(path: str | Path) -> list[int]:
+    """Byte offset of every line's start (index = line number - 1)."""
+    offsets, pos = [], 0
     with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        for raw in fh:
+            offsets.append(pos)
+            pos += len(raw)
+    return offsets
 
 
-def _atomic_parquet(df: pl.DataFrame, path: Path) -> None:
-    tmp = path.with_suffix(".parquet.tmp")
-    df.write_parquet(tmp, compression="zstd")
-    os.replace(tmp, path)
+@dataclass
+class _Entry:
+    sid: str
+    lineno: int
+    offset: int
 
 
 @dataclass
 class TokenStageResult:
     manifest: dict[str, Any]
-    stats: list[SampleStats]
+    stats: list[SampleStats]  # in file order
+    written: list[str] = field(default_factory=list)  # shard files (re)written by this run
+    kept: list[str] = field(default_factory=list)  # shard files left untouched (same content)
 
 
 def build_token_shards(
@@ -85,97 +159,85 @@ def build_token_shards(
     shard_size: int = 1000,
     policy: str | Mapping[str, Any] | Policy = "default",
     template: str | None = None,
+    store_dir: str | Path | None = None,
 ) -> TokenStageResult:
+    """Write ``out_dir/manifest.json`` and the shards (in ``store_dir``, linked into ``out_dir``; in
+    ``out_dir`` itself without ``store_dir``). One writer per store at a time."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    store = Path(store_dir) if store_dir is not None else out
+    store.mkdir(parents=True, exist_ok=True)
     admitted = resolve_policy(policy)
-    all_stats: list[SampleStats] = []
-    rows: list[dict[str, Any]] = []
-    shard_files: list[str] = []
-    seen: set[str] = set()
 
-    def flush() -> None:
-        name = SHARD_NAME.format(len(shard_files))
-        _atomic_parquet(pl.DataFrame(rows, schema=_PASS1_SCHEMA), out / name)
-        shard_files.append(name)
-        rows.clear()
-
+    # Pass 1: ids and where each record's line starts.
+    offsets = _line_offsets(responses_path)
+    entries: dict[str, _Entry] = {}
     for lineno, rec in iter_records(responses_path):
         sid = record_id(rec, f"{dataset}-{lineno:06d}")
-        if sid in seen:
+        if sid in entries:
             raise ResponsesFileError(f"{responses_path}:{lineno}: field 'id': duplicate id {sid!r}")
-        seen.add(sid)
-        sample = tokenize_record(rec, tokenizer, family, sid, template)
-        st = sample_stats(sample, tokenizer, family)
-        if st.prompt_diff and st.has_tools:
-            st.prompt_alt = alternative_prompt_lengths(sample, tokenizer, template)
-        all_stats.append(st)
-        p = sample.parsed
-        rows.append({
-            "id": sid, "provider": st.provider, "model": p.model, "finish_reason": p.finish_reason,
-            "status": int(rec.get("status") or 0), "input_ids": sample.input_ids,
-            "prompt_len": st.prompt_len, "completion_len": st.completion_len, "reasoning_len": st.reasoning_len,
-            "billed_prompt": st.billed_prompt, "billed_completion": st.billed_completion,
-            "billed_reasoning": st.billed_reasoning, "flags": sample.completion.flags,
-            "segments": json.dumps([s.to_dict() for s in sample.completion.segments], ensure_ascii=False),
-            "tool_id_rewrites": json.dumps(sample.completion.tool_id_rewrites, ensure_ascii=False),
-            "cost": p.cost,
-        })
-        if len(rows) >= shard_size:
-            flush()
-    if rows or not shard_files:
-        flush()
+        entries[sid] = _Entry(sid, lineno, offsets[lineno - 1])
+    groups = shard_groups(list(entries), shard_size)
 
-    conventions = learn_conventions(all_stats)
-    reliability = learn_reasoning_reliability(all_stats, conventions)
-    variants = learn_prompt_variants(all_stats)
-    judged = _judge(out, shard_files, all_stats, conventions, tokenizer, family, reliability)
-    shards_meta = []
-    i = 0
-    for name in shard_files:
-        df = pl.read_parquet(out / name)
-        cols: dict[str, list] = {k: [] for k in ("completion_diff", "prompt_diff", "verdict", "completion_verdict",
-                                                 "prompt_verdict", "prompt_variant", "reasons", "train", "repair")}
-        input_ids = df["input_ids"].to_list()
-        segments = df["segments"].to_list()
-        completion_len = df["completion_len"].to_list()
-        reasoning_len = df["reasoning_len"].to_list()
-        for row in range(df.height):
-            st, j = all_stats[i], judged[i]
-            if j.repair is not None and j.repair.chosen is not None:
-                rc = j.repair.chosen
-                input_ids[row] = input_ids[row][: st.prompt_len] + rc.ids
-                segments[row] = json.dumps([seg.to_dict() for seg in rc.segments], ensure_ascii=False)
-                completion_len[row], reasoning_len[row] = len(rc.ids), rc.reasoning_tokens
-            cols["completion_diff"].append(j.completion_diff)
-            cols["prompt_diff"].append(st.prompt_diff)
-            c_verdict, p_verdict = completion_verdict(j.reasons), prompt_verdict(st)
-            cols["verdict"].append(j.verdict)
-            cols["completion_verdict"].append(c_verdict)
-            cols["prompt_verdict"].append(p_verdict)
-            cols["prompt_variant"].append(sample_variant(variants, st))
-            cols["reasons"].append(j.reasons)
-            cols["train"].append(admitted.admits(c_verdict, p_verdict))
-            cols["repair"].append(json.dumps(j.evidence) if j.evidence else None)
-            i += 1
-        df = df.with_columns(
-            pl.Series("input_ids", input_ids, dtype=pl.List(pl.Int64)),
-            pl.Series("segments", segments, dtype=pl.Utf8),
-            pl.Series("completion_len", completion_len, dtype=pl.Int32),
-            pl.Series("reasoning_len", reasoning_len, dtype=pl.Int32),
-            pl.Series("completion_diff", cols["completion_diff"], dtype=pl.Int64),
-            pl.Series("prompt_diff", cols["prompt_diff"], dtype=pl.Int64),
-            pl.Series("verdict", cols["verdict"], dtype=pl.Utf8),
-            pl.Series("completion_verdict", cols["completion_verdict"], dtype=pl.Utf8),
-            pl.Series("prompt_verdict", cols["prompt_verdict"], dtype=pl.Utf8),
-            pl.Series("prompt_variant", cols["prompt_variant"], dtype=pl.Utf8),
-            pl.Series("reasons", cols["reasons"], dtype=pl.List(pl.Utf8)),
-            pl.Series("train", cols["train"], dtype=pl.Boolean),
-            pl.Series("repair", cols["repair"], dtype=pl.Utf8),
-        )
-        _atomic_parquet(df, out / name)
-        shards_meta.append({"file": name, "rows": df.height, "sha256": sha256_file(out / name)})
-    for provider, seen in _transformations_seen(all_stats, judged).items():
+    scratch = store / f".work-{os.getpid()}"
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir()
+    try:
+        # Pass 2: reconstruct in id order, one scratch part per shard.
+        stats: list[SampleStats] = []  # id order, as the scratch rows
+        linenos: list[int] = []
+        parts: list[str] = []
+        with open(responses_path, "rb") as fh:
+            for k, group in enumerate(groups):
+                rows = []
+                for sid in group:
+                    e = entries[sid]
+                    fh.seek(e.offset)
+                    rec = _checked(json.loads(fh.readline().decode("utf-8")), f"{responses_path}:{e.lineno}")
+                    st, row = _reconstruct(rec, sid, tokenizer, family, template)
+                    stats.append(st)
+                    linenos.append(e.lineno)
+                    rows.append(row)
+                parts.append(f"part-{k:06d}.parquet")
+                pl.DataFrame(rows, schema=_PASS1_SCHEMA).write_parquet(scratch / parts[-1], compression="zstd")
+
+        # Learned over the whole dataset, from the samples in file order.
+        file_order = sorted(range(len(stats)), key=linenos.__getitem__)
+        file_stats = [stats[i] for i in file_order]
+        conventions = learn_conventions(file_stats)
+        reliability = learn_reasoning_reliability(file_stats, conventions)
+        variants = learn_prompt_variants(file_stats)
+        judged = _judge(scratch, parts, stats, conventions, tokenizer, family, reliability)
+
+        # Pass 3: verdicts into each shard; a shard whose content exists already is left untouched.
+        shards_meta: list[dict[str, Any]] = []
+        result = TokenStageResult({}, file_stats)
+        i = 0
+        for k, part in enumerate(parts):
+            df = _with_verdicts(pl.read_parquet(scratch / part), stats, judged, i, variants, admitted)
+            i += df.height
+            tmp = scratch / f"final-{k:06d}.parquet"
+            df.write_parquet(tmp, compression="zstd")
+            sha = sha256_file(tmp)
+            name = shard_name(sha)
+            dest = store / name
+            if dest.is_file() and sha256_file(dest) == sha:
+                result.kept.append(name)
+            else:
+                with atomic_path(dest) as t:
+                    os.replace(tmp, t)
+                result.written.append(name)
+            ids = df["id"]
+            shards_meta.append({"file": name, "rows": df.height, "sha256": sha,
+                                "first_id": ids[0] if df.height else None, "last_id": ids[-1] if df.height else None})
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+    names = [s["file"] for s in shards_meta]
+    if store != out:
+        for s in shards_meta:
+            _publish(store / s["file"], out / s["file"], s["sha256"])
+    for provider, seen in _transformations_seen(file_stats, [judged[i] for i in file_order]).items():
         conventions[provider]["transformations_seen"] = seen
     for provider, r in reliability.items():
         conventions[provider]["reasoning_count"] = r
@@ -192,13 +254,104 @@ def build_token_shards(
         "policy": admitted.name,
         "policy_sets": admitted.to_dict(),
         "conventions": conventions,
-        "rows": len(all_stats),
+        "rows": len(file_stats),
+        "sharding": {"rule": "ids sorted; a shard starts at each id with int(sha256(id), 16) % shard_size == 0",
+                     "shard_size": shard_size, "max_rows": MAX_SHARD_FACTOR * shard_size,
+                     "store": None if store == out else os.path.relpath(store, out)},
         "shards": shards_meta,
     }
-    tmp = out / "manifest.json.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, out / "manifest.json")
-    return TokenStageResult(manifest, all_stats)
+    atomic_write_json(out / "manifest.json", manifest)
+    _prune(out, names)
+    if store != out:
+        _prune(store, names)
+    result.manifest = manifest
+    return result
+
+
+def _reconstruct(rec: dict[str, Any], sid: str, tokenizer: Tokenizer, family: ModelFamily,
+                 template: str | None) -> tuple[SampleStats, dict[str, Any]]:
+    sample = tokenize_record(rec, tokenizer, family, sid, template)
+    st = sample_stats(sample, tokenizer, family)
+    if st.prompt_diff and st.has_tools:
+        st.prompt_alt = alternative_prompt_lengths(sample, tokenizer, template)
+    p = sample.parsed
+    return st, {
+        "id": sid, "provider": st.provider, "model": p.model, "finish_reason": p.finish_reason,
+        "status": int(rec.get("status") or 0), "input_ids": sample.input_ids,
+        "prompt_len": st.prompt_len, "completion_len": st.completion_len, "reasoning_len": st.reasoning_len,
+        "billed_prompt": st.billed_prompt, "billed_completion": st.billed_completion,
+        "billed_reasoning": st.billed_reasoning, "flags": sample.completion.flags,
+        "segments": json.dumps([s.to_dict() for s in sample.completion.segments], ensure_ascii=False),
+        "tool_id_rewrites": json.dumps(sample.completion.tool_id_rewrites, ensure_ascii=False),
+        "cost": p.cost,
+    }
+
+
+def _with_verdicts(df: pl.DataFrame, stats: Sequence[SampleStats], judged: Sequence["Judgement"], start: int,
+                   variants: Mapping[str, Any], admitted: Policy) -> pl.DataFrame:
+    """A scratch part with its verdict columns (its first row is sample ``start`` of ``stats``/``judged``)."""
+    cols: dict[str, list] = {k: [] for k in ("completion_diff", "prompt_diff", "verdict", "completion_verdict",
+                                             "prompt_verdict", "prompt_variant", "reasons", "train", "repair")}
+    input_ids = df["input_ids"].to_list()
+    segments = df["segments"].to_list()
+    completion_len = df["completion_len"].to_list()
+    reasoning_len = df["reasoning_len"].to_list()
+    for row in range(df.height):
+        st, j = stats[start + row], judged[start + row]
+        if j.repair is not None and j.repair.chosen is not None:
+            rc = j.repair.chosen
+            input_ids[row] = input_ids[row][: st.prompt_len] + rc.ids
+            segments[row] = json.dumps([seg.to_dict() for seg in rc.segments], ensure_ascii=False)
+            completion_len[row], reasoning_len[row] = len(rc.ids), rc.reasoning_tokens
+        cols["completion_diff"].append(j.completion_diff)
+        cols["prompt_diff"].append(st.prompt_diff)
+        c_verdict, p_verdict = completion_verdict(j.reasons), prompt_verdict(st)
+        cols["verdict"].append(j.verdict)
+        cols["completion_verdict"].append(c_verdict)
+        cols["prompt_verdict"].append(p_verdict)
+        cols["prompt_variant"].append(sample_variant(variants, st))
+        cols["reasons"].append(j.reasons)
+        cols["train"].append(admitted.admits(c_verdict, p_verdict))
+        cols["repair"].append(json.dumps(j.evidence) if j.evidence else None)
+    return df.with_columns(
+        pl.Series("input_ids", input_ids, dtype=pl.List(pl.Int64)),
+        pl.Series("segments", segments, dtype=pl.Utf8),
+        pl.Series("completion_len", completion_len, dtype=pl.Int32),
+        pl.Series("reasoning_len", reasoning_len, dtype=pl.Int32),
+        pl.Series("completion_diff", cols["completion_diff"], dtype=pl.Int64),
+        pl.Series("prompt_diff", cols["prompt_diff"], dtype=pl.Int64),
+        pl.Series("verdict", cols["verdict"], dtype=pl.Utf8),
+        pl.Series("completion_verdict", cols["completion_verdict"], dtype=pl.Utf8),
+        pl.Series("prompt_verdict", cols["prompt_verdict"], dtype=pl.Utf8),
+        pl.Series("prompt_variant", cols["prompt_variant"], dtype=pl.Utf8),
+        pl.Series("reasons", cols["reasons"], dtype=pl.List(pl.Utf8)),
+        pl.Series("train", cols["train"], dtype=pl.Boolean),
+        pl.Series("repair", cols["repair"], dtype=pl.Utf8),
+    )
+
+
+def _publish(src: Path, dst: Path, sha: str) -> None:
+    """``dst`` = ``src`` (a hard link; a copy keeping the mtime where linking fails), left alone when it
+    already is that file or a copy of it."""
+    if dst.is_file():
+        if os.path.samefile(src, dst) or (dst.stat().st_size == src.stat().st_size and sha256_file(dst) == sha):
+            return
+        dst.unlink()
+    try:
+        os.link(src, dst)
+    except OSError:
+        with atomic_path(dst) as tmp:
+            shutil.copy2(src, tmp)
+
+
+def _prune(directory: Path, keep: Sequence[str]) -> None:
+    """Remove shard files not in ``keep`` and scratch directories of earlier (killed) runs."""
+    keep = set(keep)
+    for p in directory.iterdir():
+        if p.name.startswith(SHARD_PREFIX) and p.name.endswith(".parquet") and p.name not in keep and p.is_file():
+            p.unlink()
+        elif p.name.startswith(".work-") and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
 
 
 _PASS1_SCHEMA: Mapping[str, Any] = {
