@@ -151,32 +151,7 @@ def reconstruct_completion(
     """
     flags: list[str] = []
     thinking_on = family.thinking and thinking is not False
-    reasoning = parsed.reasoning or ""
-    content = parsed.content or ""
-    calls = list(parsed.tool_calls)
-
-    if thinking_on and not reasoning.strip() and family.think_close in content:
-        split = _split_think_tags(content, family)
-        if split is not None:
-            reasoning, content = split
-            flags.append("reasoning_in_content")
-
-    for where in ("content", "reasoning"):
-        text = content if where == "content" else reasoning
-        found = split_tool_markup(text, family)
-        if found is None:
-            continue
-        before, markup_calls, after = found
-        flags.append(f"tool_markup_in_{where}")
-        if after.strip():
-            flags.append("text_after_tool_section")
-        if where == "content":
-            content = before
-        else:
-            reasoning = before
-        if not calls:
-            calls = markup_calls
-
+    reasoning, content, calls = _recover_text(parsed, family, thinking_on, flags)
     stopped = parsed.error is None and parsed.finish_reason in STOP_REASONS
     truncated = parsed.finish_reason == "length"
     b = _Builder(tokenizer, family)
@@ -190,39 +165,73 @@ def reconstruct_completion(
     elif reasoning:
         flags.append("reasoning_unexpected")
     b.text("content", content)
-
-    rewrites: list[dict[str, Any]] = []
-    if calls:
-        b.special("tool_section_begin", family.tool_section_begin)
-        id_re = re.compile(family.tool_call_id_pattern)
-        for n, call in enumerate(calls):
-            index = tool_call_offset + n
-            native = id_re.fullmatch(call.id or "")
-            if not call.name and native:
-                call = ToolCall(call.id, native.group("name"), call.arguments, call.index)
-            if not call.name:
-                flags.append("tool_call_malformed")
-            if native and native.group("name") == call.name:
-                call_id = call.id or ""
-                if int(native.group("index")) != index:
-                    flags.append("tool_id_index_unexpected")
-            else:
-                call_id = family.native_tool_call_id(call.name, index)
-                rewrites.append({"call": n, "original": call.id, "rebuilt": call_id})
-            b.special("tool_call_begin", family.tool_call_begin, n)
-            b.text("tool_id", call_id, n)
-            b.special("tool_argument_begin", family.tool_argument_begin, n)
-            b.text("tool_arguments", call.arguments, n)
-            b.special("tool_call_end", family.tool_call_end, n)
-        b.special("tool_section_end", family.tool_section_end)
-        if rewrites:
-            flags.append("tool_id_rebuilt")
-
+    rewrites = _tool_section(b, calls, family, tool_call_offset, flags) if calls else []
     if stopped:
         b.special("end_of_turn", family.end_of_turn)
     if any("\ufffd" in (s.text or "") for s in b.segments):
         flags.append("lossy_text")
     return Reconstruction(b.ids, b.segments, _unique(flags), rewrites, stopped, thinking_on)
+
+
+def _recover_text(parsed: ParsedResponse, family: ModelFamily, thinking_on: bool,
+                  flags: list[str]) -> tuple[str, str, list[ToolCall]]:
+    """(reasoning, content, tool calls) as the model wrote them: reasoning a provider left inside
+    think tags in the content, and tool-call markup a provider left in the text, put back in place."""
+    reasoning = parsed.reasoning or ""
+    content = parsed.content or ""
+    calls = list(parsed.tool_calls)
+    if thinking_on and not reasoning.strip() and family.think_close in content:
+        split = _split_think_tags(content, family)
+        if split is not None:
+            reasoning, content = split
+            flags.append("reasoning_in_content")
+    for where in ("content", "reasoning"):
+        found = split_tool_markup(content if where == "content" else reasoning, family)
+        if found is None:
+            continue
+        before, markup_calls, after = found
+        flags.append(f"tool_markup_in_{where}")
+        if after.strip():
+            flags.append("text_after_tool_section")
+        if where == "content":
+            content = before
+        else:
+            reasoning = before
+        if not calls:
+            calls = markup_calls
+    return reasoning, content, calls
+
+
+def _tool_section(b: "_Builder", calls: list[ToolCall], family: ModelFamily, tool_call_offset: int,
+                  flags: list[str]) -> list[dict[str, Any]]:
+    """Append the tool-call section; ids that are not the model's native ones are rebuilt with the
+    conversation-wide index (returned as rewrites)."""
+    rewrites: list[dict[str, Any]] = []
+    b.special("tool_section_begin", family.tool_section_begin)
+    id_re = re.compile(family.tool_call_id_pattern)
+    for n, call in enumerate(calls):
+        index = tool_call_offset + n
+        native = id_re.fullmatch(call.id or "")
+        if not call.name and native:
+            call = ToolCall(call.id, native.group("name"), call.arguments, call.index)
+        if not call.name:
+            flags.append("tool_call_malformed")
+        if native and native.group("name") == call.name:
+            call_id = call.id or ""
+            if int(native.group("index")) != index:
+                flags.append("tool_id_index_unexpected")
+        else:
+            call_id = family.native_tool_call_id(call.name, index)
+            rewrites.append({"call": n, "original": call.id, "rebuilt": call_id})
+        b.special("tool_call_begin", family.tool_call_begin, n)
+        b.text("tool_id", call_id, n)
+        b.special("tool_argument_begin", family.tool_argument_begin, n)
+        b.text("tool_arguments", call.arguments, n)
+        b.special("tool_call_end", family.tool_call_end, n)
+    b.special("tool_section_end", family.tool_section_end)
+    if rewrites:
+        flags.append("tool_id_rebuilt")
+    return rewrites
 
 
 def _unique(items: list[str]) -> list[str]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 
 @dataclass
@@ -143,13 +143,8 @@ def _parse_json(raw: str) -> ParsedResponse:
     return out
 
 
-def _parse_sse(raw: str) -> ParsedResponse:
-    out = ParsedResponse(streamed=True)
-    content: list[str] = []
-    reasoning: list[str] = []
-    details_text: list[str] = []
-    saw_content = saw_reasoning = False
-    calls: dict[int, ToolCall] = {}
+def _sse_chunks(raw: str) -> tuple[list[Any], bool]:
+    """The JSON payloads of a stream's ``data:`` lines, and whether ``[DONE]`` was among them."""
     done = False
     payloads = []
     for line in raw.splitlines():
@@ -166,6 +161,32 @@ def _parse_sse(raw: str) -> ParsedResponse:
             raise ValueError("chunk count changed")
     except ValueError:
         chunks = [json.loads(p) for p in payloads]  # raises on the offending chunk
+    return chunks, done
+
+
+def _add_tool_call_delta(calls: dict[int, ToolCall], tc: Mapping[str, Any]) -> None:
+    """Fold one streamed tool-call fragment into the call at its index."""
+    idx = tc.get("index", len(calls))
+    fn = tc.get("function") or {}
+    call = calls.setdefault(idx, ToolCall(None, "", "", idx))
+    if tc.get("id") and not call.id:
+        call.id = tc["id"]
+    name = fn.get("name")
+    if name and name != call.name:
+        call.name += name
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        call.arguments += args
+
+
+def _parse_sse(raw: str) -> ParsedResponse:
+    out = ParsedResponse(streamed=True)
+    content: list[str] = []
+    reasoning: list[str] = []
+    details_text: list[str] = []
+    saw_content = saw_reasoning = False
+    calls: dict[int, ToolCall] = {}
+    chunks, done = _sse_chunks(raw)
     gid = provider = model = None
     for chunk in chunks:
         if not isinstance(chunk, dict):
@@ -200,17 +221,7 @@ def _parse_sse(raw: str) -> ParsedResponse:
                     if dt is not None:
                         details_text.append(dt)
                 for tc in delta.get("tool_calls") or ():
-                    idx = tc.get("index", len(calls))
-                    fn = tc.get("function") or {}
-                    call = calls.setdefault(idx, ToolCall(None, "", "", idx))
-                    if tc.get("id") and not call.id:
-                        call.id = tc["id"]
-                    name = fn.get("name")
-                    if name and name != call.name:
-                        call.name += name
-                    args = fn.get("arguments")
-                    if isinstance(args, str):
-                        call.arguments += args
+                    _add_tool_call_delta(calls, tc)
             if choice.get("finish_reason"):
                 out.finish_reason = choice["finish_reason"]
                 out.native_finish_reason = choice.get("native_finish_reason")

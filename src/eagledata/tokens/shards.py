@@ -168,82 +168,27 @@ def build_token_shards(
     store = Path(store_dir) if store_dir is not None else out
     store.mkdir(parents=True, exist_ok=True)
     admitted = resolve_policy(policy)
-
-    # Pass 1: ids and where each record's line starts.
-    offsets = _line_offsets(responses_path)
-    entries: dict[str, _Entry] = {}
-    for lineno, rec in iter_records(responses_path):
-        sid = record_id(rec, f"{dataset}-{lineno:06d}")
-        if sid in entries:
-            raise ResponsesFileError(f"{responses_path}:{lineno}: field 'id': duplicate id {sid!r}")
-        entries[sid] = _Entry(sid, lineno, offsets[lineno - 1])
+    entries = _index_records(responses_path, dataset)
     groups = shard_groups(list(entries), shard_size)
-
     scratch = store / f".work-{os.getpid()}"
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir()
     try:
-        # Pass 2: reconstruct in id order, one scratch part per shard.
-        stats: list[SampleStats] = []  # id order, as the scratch rows
-        linenos: list[int] = []
-        parts: list[str] = []
-        with open(responses_path, "rb") as fh:
-            for k, group in enumerate(groups):
-                rows = []
-                for sid in group:
-                    e = entries[sid]
-                    fh.seek(e.offset)
-                    rec = _checked(json.loads(fh.readline().decode("utf-8")), f"{responses_path}:{e.lineno}")
-                    st, row = _reconstruct(rec, sid, tokenizer, family, template)
-                    stats.append(st)
-                    linenos.append(e.lineno)
-                    rows.append(row)
-                parts.append(f"part-{k:06d}.parquet")
-                pl.DataFrame(rows, schema=_PASS1_SCHEMA).write_parquet(scratch / parts[-1], compression="zstd")
-
+        stats, linenos, parts = _reconstruct_parts(responses_path, entries, groups, scratch, tokenizer, family, template)
         # Learned over the whole dataset, from the samples in file order.
         file_order = sorted(range(len(stats)), key=linenos.__getitem__)
         file_stats = [stats[i] for i in file_order]
-        conventions = learn_conventions(file_stats)
-        reliability = learn_reasoning_reliability(file_stats, conventions)
-        variants = learn_prompt_variants(file_stats)
-        judged = _judge(scratch, parts, stats, conventions, tokenizer, family, reliability)
-
-        # Pass 3: verdicts into each shard; a shard whose content exists already is left untouched.
-        shards_meta: list[dict[str, Any]] = []
+        learned = _Learned.of(file_stats)
+        judged = _judge(scratch, parts, stats, learned.conventions, tokenizer, family, learned.reliability)
         result = TokenStageResult({}, file_stats)
-        i = 0
-        for k, part in enumerate(parts):
-            df = _with_verdicts(pl.read_parquet(scratch / part), stats, judged, i, variants, admitted)
-            i += df.height
-            tmp = scratch / f"final-{k:06d}.parquet"
-            df.write_parquet(tmp, compression="zstd")
-            sha = sha256_file(tmp)
-            name = shard_name(sha)
-            dest = store / name
-            if dest.is_file() and sha256_file(dest) == sha:
-                result.kept.append(name)
-            else:
-                with atomic_path(dest) as t:
-                    os.replace(tmp, t)
-                result.written.append(name)
-            ids = df["id"]
-            shards_meta.append({"file": name, "rows": df.height, "sha256": sha,
-                                "first_id": ids[0] if df.height else None, "last_id": ids[-1] if df.height else None})
+        shards_meta = _write_shards(scratch, parts, store, stats, judged, learned.variants, admitted, result)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-
     names = [s["file"] for s in shards_meta]
     if store != out:
         for s in shards_meta:
             _publish(store / s["file"], out / s["file"], s["sha256"])
-    for provider, seen in _transformations_seen(file_stats, [judged[i] for i in file_order]).items():
-        conventions[provider]["transformations_seen"] = seen
-    for provider, r in reliability.items():
-        conventions[provider]["reasoning_count"] = r
-    for provider, v in variants.items():
-        conventions[provider]["prompt_rendering"] = v
-
+    conventions = learned.report(file_stats, [judged[i] for i in file_order])
     manifest = {
         "dataset": dataset,
         "source": str(responses_path),
@@ -266,6 +211,91 @@ def build_token_shards(
         _prune(store, names)
     result.manifest = manifest
     return result
+
+
+def _index_records(responses_path: str | Path, dataset: str) -> dict[str, _Entry]:
+    """Pass 1: every record's id and where its line starts (ids must be unique)."""
+    offsets = _line_offsets(responses_path)
+    entries: dict[str, _Entry] = {}
+    for lineno, rec in iter_records(responses_path):
+        sid = record_id(rec, f"{dataset}-{lineno:06d}")
+        if sid in entries:
+            raise ResponsesFileError(f"{responses_path}:{lineno}: field 'id': duplicate id {sid!r}")
+        entries[sid] = _Entry(sid, lineno, offsets[lineno - 1])
+    return entries
+
+
+def _reconstruct_parts(responses_path: str | Path, entries: Mapping[str, _Entry], groups: list[list[str]],
+                       scratch: Path, tokenizer: Tokenizer, family: ModelFamily,
+                       template: str | None) -> tuple[list[SampleStats], list[int], list[str]]:
+    """Pass 2: reconstruct in id order, one scratch part per shard: (stats, line numbers, parts)."""
+    stats: list[SampleStats] = []
+    linenos: list[int] = []
+    parts: list[str] = []
+    with open(responses_path, "rb") as fh:
+        for k, group in enumerate(groups):
+            rows = []
+            for sid in group:
+                e = entries[sid]
+                fh.seek(e.offset)
+                rec = _checked(json.loads(fh.readline().decode("utf-8")), f"{responses_path}:{e.lineno}")
+                st, row = _reconstruct(rec, sid, tokenizer, family, template)
+                stats.append(st)
+                linenos.append(e.lineno)
+                rows.append(row)
+            parts.append(f"part-{k:06d}.parquet")
+            pl.DataFrame(rows, schema=_PASS1_SCHEMA).write_parquet(scratch / parts[-1], compression="zstd")
+    return stats, linenos, parts
+
+
+@dataclass
+class _Learned:
+    """What the dataset's samples teach about each provider."""
+
+    conventions: dict[str, dict]
+    reliability: dict[str, dict]
+    variants: dict[str, dict]
+
+    @classmethod
+    def of(cls, stats: list[SampleStats]) -> "_Learned":
+        conventions = learn_conventions(stats)
+        return cls(conventions, learn_reasoning_reliability(stats, conventions), learn_prompt_variants(stats))
+
+    def report(self, stats: list[SampleStats], judged: list[Judgement]) -> dict[str, dict]:
+        """The manifest's ``conventions``: per provider, everything learned, with what repairs saw."""
+        conventions = self.conventions
+        for provider, seen in _transformations_seen(stats, judged).items():
+            conventions[provider]["transformations_seen"] = seen
+        for provider, r in self.reliability.items():
+            conventions[provider]["reasoning_count"] = r
+        for provider, v in self.variants.items():
+            conventions[provider]["prompt_rendering"] = v
+        return conventions
+
+
+def _write_shards(scratch: Path, parts: list[str], store: Path, stats: list[SampleStats], judged: list[Judgement],
+                  variants: Mapping[str, Mapping], admitted: Policy, result: TokenStageResult) -> list[dict[str, Any]]:
+    """Pass 3: verdicts into each shard; a shard whose content exists already is left untouched."""
+    shards_meta: list[dict[str, Any]] = []
+    i = 0
+    for k, part in enumerate(parts):
+        df = _with_verdicts(pl.read_parquet(scratch / part), stats, judged, i, variants, admitted)
+        i += df.height
+        tmp = scratch / f"final-{k:06d}.parquet"
+        df.write_parquet(tmp, compression="zstd")
+        sha = sha256_file(tmp)
+        name = shard_name(sha)
+        dest = store / name
+        if dest.is_file() and sha256_file(dest) == sha:
+            result.kept.append(name)
+        else:
+            with atomic_path(dest) as t:
+                os.replace(tmp, t)
+            result.written.append(name)
+        ids = df["id"]
+        shards_meta.append({"file": name, "rows": df.height, "sha256": sha,
+                            "first_id": ids[0] if df.height else None, "last_id": ids[-1] if df.height else None})
+    return shards_meta
 
 
 def _reconstruct(rec: dict[str, Any], sid: str, tokenizer: Tokenizer, family: ModelFamily,
