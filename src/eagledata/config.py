@@ -37,20 +37,24 @@ def schema() -> dict:
     return yaml.safe_load(text)
 
 
-def _fill_defaults(node: Any, sch: Mapping[str, Any]) -> Any:
-    if not isinstance(node, dict):
-        return node
-    for key, sub in (sch.get("properties") or {}).items():
-        if key not in node and "default" in sub:
-            node[key] = copy.deepcopy(sub["default"])
-        if key in node:
-            _fill_defaults(node[key], sub)
-    addl = sch.get("additionalProperties")
-    if isinstance(addl, dict):
-        for key, value in node.items():
-            if key not in (sch.get("properties") or {}):
-                _fill_defaults(value, addl)
-    return node
+def defaults_validator(sch: Mapping[str, Any]) -> Any:
+    """A Draft 2020-12 validator that fills every ``default`` while it validates (jsonschema's own
+    extension point; the same behaviour as Snakemake's ``validate(..., set_default=True)``). Errors
+    are reported against the config as given: defaults are only filled into objects the schema
+    accepts at that point."""
+    import jsonschema
+
+    base = jsonschema.Draft202012Validator
+    check_properties = base.VALIDATORS["properties"]
+
+    def properties_with_defaults(validator, properties, instance, schema_):
+        if isinstance(instance, dict):
+            for key, sub in properties.items():
+                if isinstance(sub, Mapping) and "default" in sub and key not in instance:
+                    instance[key] = copy.deepcopy(sub["default"])
+        yield from check_properties(validator, properties, instance, schema_)
+
+    return jsonschema.validators.extend(base, {"properties": properties_with_defaults})(sch)
 
 
 #: Allowed dataset names: letters, digits, ``.``, ``_`` and ``-``, not starting with ``.``.
@@ -168,8 +172,7 @@ def validate_config(config: dict, source: str = "config") -> dict:
         raise ConfigError(f"{source}: the config must be a mapping of keys, got {type(config).__name__}")
     _check_dataset_names(config, source)
     sch = schema()
-    validator = jsonschema.Draft202012Validator(sch)
-    errors = sorted(validator.iter_errors(config), key=lambda e: [str(p) for p in e.absolute_path])
+    errors = sorted(jsonschema.Draft202012Validator(sch).iter_errors(config), key=lambda e: [str(p) for p in e.absolute_path])
     unknown = []
     for e in errors:
         for parent, key, _allowed in _unknown_keys(e):
@@ -182,7 +185,8 @@ def validate_config(config: dict, source: str = "config") -> dict:
         e = errors[0]
         where = _key_path(e.absolute_path) or "(top level)"
         raise ConfigError(f"{source}: {where}: {e.message}")
-    config = _fill_defaults(config, sch)
+    for e in defaults_validator(sch).iter_errors(config):  # valid as given: this pass only fills defaults
+        raise ConfigError(f"{source}: {_key_path(e.absolute_path) or '(top level)'}: {e.message} (after defaults)")
     for name, ds in config["datasets"].items():
         if ds["model"] not in config["models"]:
             raise ConfigError(f"{source}: datasets.{name}.model: unknown model {ds['model']!r}; "

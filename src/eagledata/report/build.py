@@ -60,6 +60,7 @@ from typing import Any, Mapping, Sequence
 import polars as pl
 
 from eagledata import __version__
+from eagledata.config import schema
 from eagledata.errors import InputError
 from eagledata.io import atomic_write_text
 from eagledata.report.aggregate import aggregate_validations
@@ -71,13 +72,9 @@ from eagledata.report.samples import anchor, full_rows, light_frame, sample_view
 
 
 #: Settings of the reports (config key ``report``; every key optional).
+#: The ``report`` block's defaults, read from the config schema (one place states them).
 REPORT_DEFAULTS: dict[str, Any] = {
-    "worst_samples": 20,       # samples shown token by token in a dataset report
-    "max_tokens_shown": 600,   # longer completions are elided around the implicated tokens
-    "prompt_tail_tokens": 80,  # prompt tokens shown (collapsed) under each worst sample
-    "min_samples": 5,          # routing advice: fewer samples are not evidence enough
-    "ignore_below": 0.5,       # routing advice: exact+repaired share under which a provider is ignored
-}
+    key: sub["default"] for key, sub in schema()["properties"]["report"]["properties"].items()}
 
 
 def report_settings(config: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -203,7 +200,7 @@ def build_reports_from_config(config: Mapping[str, Any], out_dir: str | Path,
             validation: Any = vpath
         else:
             own = config["datasets"][name].get("validation") or {}
-            limit = own.get("max_bad_fraction", (config.get("validation") or {}).get("max_bad_fraction", 0.05))
+            limit = own.get("max_bad_fraction", config["validation"]["max_bad_fraction"])
             validation = summarize(tokens, limit)
         tokenizer = load_model_tokenizer(config, config["datasets"][name]["model"])
         build_dataset_report(validation, tokens, out / name / "report.html", tokenizer, settings, "../report.html")
