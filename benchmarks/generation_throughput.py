@@ -1,22 +1,26 @@
 """Generation client throughput against the stand-in, as ratios measured in one run.
 
-The stand-in (``python -m eagledata.standin.server``) runs in a SEPARATE process with a fixed latency per
-request (default 50 ms); the generation job (the same code as the ``generate`` rule, with the budget
-ledger, the response cache and progress) runs here with ``concurrency`` workers (default 256). Printed:
+The stand-in (``python -m eagledata.standin``) runs in a SEPARATE process; the generation job (the same
+code as the ``generate`` rule, with the budget ledger, the response cache and progress) runs here with
+``concurrency`` workers. The default is the real load shape compressed in time: 1,024 in flight, latency
+3 s +- 1 s, 6,144 requests, non-streamed bodies of 5-20 KB (``--stream`` for SSE). A real run has 1,024 in
+flight at about 30 s mean latency, i.e. about 34 requests/s; the client's CPU per request times 34 is
+what it costs there. ``--reference`` runs the old 50 ms / 256-in-flight shape, printed with no target.
+Printed:
 
-  throughput ratio = requests/s / (concurrency / latency)      target >= 0.9
+  throughput ratio = requests/s / (concurrency / mean latency)  target >= 0.95 (real shape)
                      steady state: answers stored between the 10% and the 90% mark of the run, over
                      that time (each record's started_at + elapsed_s); also printed for the whole
                      request phase, which adds the ramp-up (connections opened) and the last wave
-  client CPU       = this process's CPU time / wall time        target < 1 core
+  client CPU       = this process's CPU time / wall time; per request x 34 requests/s  target <= 0.1 core
   ceiling          = the same requests sent by a bare loop over the same HTTP client (no ledger,
                      cache, parsing): what the stand-in, the cores and loopback allow at that moment
 
 Samples are ``--prompts`` distinct prompts x ``--samples`` each (identical bodies without a seed, so
 the stand-in answers from its completion memo and its own CPU is not what is measured).
 
-Usage: python benchmarks/generation_throughput.py [--requests 8192] [--concurrency 256] [--latency-ms 50]
-       [--rounds 3] [--event-loop auto|uvloop|asyncio] [--stream]
+Usage: python benchmarks/generation_throughput.py [--reference] [--requests N] [--concurrency N]
+       [--latency-ms MS] [--latency-jitter-ms MS] [--content-tokens MIN MAX] [--rounds 1] [--stream]
 """
 from __future__ import annotations
 
@@ -127,19 +131,32 @@ def bare_round(args: argparse.Namespace, base: str) -> dict:
     return run_event_loop(run(), args.event_loop)
 
 
+#: The real load shape, compressed in time (the target), and the old 50 ms reference shape.
+REAL = {"requests": 6144, "concurrency": 1024, "latency_ms": 3000.0, "latency_jitter_ms": 1000.0,
+        "content_tokens": [1250, 5000]}
+REFERENCE = {"requests": 8192, "concurrency": 256, "latency_ms": 50.0, "latency_jitter_ms": 0.0, "content_tokens": [8, 24]}
+REAL_REQUESTS_PER_S = 34  # 1,024 in flight at about 30 s mean latency
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=8192)
+    ap.add_argument("--reference", action="store_true", help="the 50 ms / 256-in-flight shape (no target)")
+    ap.add_argument("--requests", type=int, default=None, help="default 6144 (reference: 8192)")
     ap.add_argument("--prompts", type=int, default=64)
-    ap.add_argument("--concurrency", type=int, default=256)
-    ap.add_argument("--latency-ms", type=float, default=50.0)
-    ap.add_argument("--latency-jitter-ms", type=float, default=0.0, help="the stand-in's latency varies by +- this")
-    ap.add_argument("--content-tokens", type=int, nargs=2, default=[8, 24], metavar=("MIN", "MAX"),
-                    help="answer length range (about 4 bytes of body per token: 1250 5000 gives 5-20 KB bodies)")
-    ap.add_argument("--rounds", type=int, default=3, help="jobs run one after another; the median is the result")
+    ap.add_argument("--concurrency", type=int, default=None, help="default 1024 (reference: 256)")
+    ap.add_argument("--latency-ms", type=float, default=None, help="default 3000 (reference: 50)")
+    ap.add_argument("--latency-jitter-ms", type=float, default=None,
+                    help="the stand-in's latency varies by +- this; default 1000 (reference: 0)")
+    ap.add_argument("--content-tokens", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+                    help="answer length range (about 4 bytes of body per token): default 1250 5000 = 5-20 KB bodies")
+    ap.add_argument("--rounds", type=int, default=1, help="jobs run one after another; the median is the result")
     ap.add_argument("--event-loop", default="auto", choices=["auto", "uvloop", "asyncio"])
     ap.add_argument("--stream", action="store_true", help="SSE streams instead of JSON bodies")
     args = ap.parse_args()
+    shape = REFERENCE if args.reference else REAL
+    for key, value in shape.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     os.environ.setdefault("OPENROUTER_API_KEY", "sk-or-v1-benchmark-not-a-real-key")
 
     rounds = []
@@ -147,7 +164,7 @@ def main() -> int:
         tmp = Path(d)
         tok = _tokenizer_dir(tmp)
         port_file = tmp / "port"
-        server = subprocess.Popen([sys.executable, "-m", "eagledata.standin.server", "--tokenizer", str(tok), "--family", "kimi-k2.5",
+        server = subprocess.Popen([sys.executable, "-m", "eagledata.standin", "--tokenizer", str(tok), "--family", "kimi-k2.5",
                                    "--latency-ms", str(args.latency_ms), "--latency-jitter-ms", str(args.latency_jitter_ms),
                                    "--port-file", str(port_file),
                                    "--content-tokens", *map(str, args.content_tokens), "--reasoning-tokens", "8", "24"],
@@ -181,14 +198,21 @@ def main() -> int:
     print(f"\n{rounds[0]['n']} requests per round, {args.rounds} rounds, concurrency {args.concurrency}, latency "
           f"{args.latency_ms:g} ms ({ideal:,.0f} req/s = concurrency/latency), {'SSE' if args.stream else 'JSON'}, "
           f"event loop {args.event_loop}; medians [min..max]:")
+    target = "no target (reference shape)" if args.reference else "target >= 0.95"
     print(f"throughput (steady state, 10%-90% of answers): {med('steady'):.3f} x concurrency/latency {span('steady')}   "
-          f"target >= 0.9")
+          f"{target}")
     print(f"throughput (whole request phase, with ramp-up and last wave): {med('phase'):.3f} {span('phase')}   "
           f"[whole job incl. tokenizer load and output file: {med('whole'):.3f}]")
     print(f"client CPU: {med('phase_core'):.2f} core over the request phase {span('phase_core', '.2f')}, "
           f"{med('cpu_core'):.2f} over the whole job   target < 1")
     print(f"client cost: {med('us_per_request'):.0f} us CPU per request {span('us_per_request', '.0f')}, i.e. one core "
           f"would sustain {1e6 / med('us_per_request') / ideal:.2f} x concurrency/latency")
+    real_core = med("us_per_request") * REAL_REQUESTS_PER_S / 1e6
+    print(f"RESULT client CPU at a real run's {REAL_REQUESTS_PER_S} requests/s: {real_core:.3f} core (target <= 0.1): "
+          f"{'OK' if real_core <= 0.1 else 'ABOVE TARGET'}")
+    if not args.reference:
+        print(f"RESULT throughput {med('steady'):.3f} of concurrency/mean latency (target >= 0.95): "
+              f"{'OK' if med('steady') >= 0.95 else 'BELOW TARGET'} (ceiling here: the bare loop's {bare['steady']:.3f})")
     print(f"ceiling here and now (the bare HTTP loop above, same stand-in and cores): steady {bare['steady']:.3f}, "
           f"request phase {bare['phase']:.3f}; the job reaches {med('steady') / bare['steady']:.3f} and "
           f"{med('phase') / bare['phase']:.3f} of it")
