@@ -41,3 +41,26 @@ def k2():
 def recorded():
     path = need_shared("recorded", "openrouter-kimi-k2-0905.jsonl")
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def demo_prompts(names: tuple[str, ...] = ("chat", "tools")) -> list[dict]:
+    """The demo's prompt records (config/demo/NAME.jsonl), in file order."""
+    rows = []
+    for name in names:
+        for line in (ROOT / f"config/demo/{name}.jsonl").read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                rows.append(json.loads(line))
+    return rows
+
+
+@pytest.fixture(scope="session")
+def demo_tok(tmp_path_factory):
+    """The demo tokenizer (built from the bundled corpus) with the K2.5 family."""
+    from eagledata.demo.tokenizer import build_demo_tokenizer, default_corpus_path
+    from eagledata.text.families import get_family
+    from eagledata.text.tokenizer import load_tokenizer
+
+    out = tmp_path_factory.mktemp("tok") / "demo"
+    build_demo_tokenizer(default_corpus_path(), out)
+    fam = get_family("kimi-k2.5")
+    return load_tokenizer(out, fam), fam

@@ -7,18 +7,17 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import demo_prompts
 
 from eagledata.report import build as rp
 from eagledata.text.chat import prompt_ids, prompt_text
 from eagledata.tokens.checks import SampleStats
-from eagledata.text.families import get_family
 from eagledata.tokens.learning import learn_prompt_variants, learn_reasoning_reliability, sample_variant, variant_name
 from eagledata.tokens.policy import PRESETS, PolicyError, resolve_policy
 from eagledata.standin.server import SimulatorServer
 from eagledata.tokens.shards import build_token_shards, read_shards
 from eagledata.validate.summary import ValidationFailed, summarize, write_validation
 
-ROOT = Path(__file__).resolve().parents[1]
 SEED = 5
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city.",
@@ -28,31 +27,11 @@ TOOLS = [{"type": "function", "function": {
         "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}]
 
 
-@pytest.fixture(scope="module")
-def demo_tok(tmp_path_factory):
-    from eagledata.demo.tokenizer import build_demo_tokenizer, default_corpus_path
-    from eagledata.text.tokenizer import load_tokenizer
-
-    out = tmp_path_factory.mktemp("tok") / "demo"
-    build_demo_tokenizer(default_corpus_path(), out)
-    fam = get_family("kimi-k2.5")
-    return load_tokenizer(out, fam), fam
-
-
-def _prompts() -> list[dict]:
-    rows = []
-    for name in ("chat", "tools"):
-        for line in (ROOT / f"config/demo/{name}.jsonl").read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                rows.append(json.loads(line))
-    return rows
-
-
 def _collect(tok, fam, profile, tmp_path, tamper=None):
     """Ask the stand-in (``profile``) every demo prompt; return (shard rows by id, truths by id)."""
     records, truths = [], {}
     with SimulatorServer(tok, fam, seed=SEED, profile=profile) as sim, httpx.Client(timeout=30) as client:
-        for i, p in enumerate(_prompts()):
+        for i, p in enumerate(demo_prompts()):
             body = {"model": "demo", "messages": p["messages"], "max_tokens": 4096, "stream": i % 2 == 1}
             if p.get("tools"):
                 body["tools"] = p["tools"]
@@ -172,7 +151,7 @@ def test_each_side_exact_only_when_it_equals_the_truth(profile, demo_tok, tmp_pa
         assert row["train"] == (row["completion_verdict"] in ("exact", "repaired"))  # the default policy
     learned = manifest["conventions"]["Simulator"]
     if profile == "json-tools":  # prompts with tools differ (explained), those without are exact
-        with_tools = {p["id"] for p in _prompts() if p.get("tools")}
+        with_tools = {p["id"] for p in demo_prompts() if p.get("tools")}
         assert with_tools and {sid for sid, r in rows.items() if r["prompt_verdict"] == "differs"} == with_tools
         assert {rows[sid]["prompt_variant"] for sid in with_tools} == {"json_tools"}
         assert learned["prompt_rendering"]["variant"] == "json_tools"

@@ -7,14 +7,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import demo_prompts
 
-from eagledata.text.families import get_family
 from eagledata.standin.profiles import PROFILES
 from eagledata.standin.server import SimulatorServer
-from eagledata.text.tokenizer import load_tokenizer
 from eagledata.tokens.shards import build_token_shards, read_shards
 
-ROOT = Path(__file__).resolve().parents[1]
 SEED = 11
 
 #: What each stand-in provider profile must end as (beyond "never wrongly exact").
@@ -30,31 +28,12 @@ EXPECTED = {
 }
 
 
-@pytest.fixture(scope="module")
-def demo_tok(tmp_path_factory):
-    from eagledata.demo.tokenizer import build_demo_tokenizer, default_corpus_path
-
-    out = tmp_path_factory.mktemp("tok") / "demo"
-    build_demo_tokenizer(default_corpus_path(), out)
-    fam = get_family("kimi-k2.5")
-    return load_tokenizer(out, fam), fam
-
-
-def _prompts():
-    rows = []
-    for name in ("chat", "tools"):
-        for line in (ROOT / f"config/demo/{name}.jsonl").read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                rows.append(json.loads(line))
-    return rows
-
-
 @pytest.mark.parametrize("profile", sorted(PROFILES))
 def test_verdicts_never_bless_wrong_ids(profile, demo_tok, tmp_path):
     tok, fam = demo_tok
     records, truths = [], {}
     with SimulatorServer(tok, fam, seed=SEED, profile=profile) as sim, httpx.Client(timeout=30) as client:
-        for i, p in enumerate(_prompts()):
+        for i, p in enumerate(demo_prompts()):
             body = {"model": "demo", "messages": p["messages"], "max_tokens": 4096, "stream": i % 2 == 1}
             if p.get("tools"):
                 body["tools"] = p["tools"]
@@ -90,7 +69,7 @@ def test_engine_token_ids_are_the_tokens_and_the_text_path_is_measured(demo_tok,
     monkeypatch.delenv("OPENROUTER_API_KEY", raising=False)
     tok, fam = demo_tok
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps(p) + "\n" for p in _prompts()[:12]))
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in demo_prompts()[:12]))
     with SimulatorServer(tok, fam, seed=SEED, api="sglang") as sim:
         for endpoint in ("chat", "generate"):
             cfg = {"cache_dir": str(tmp_path / f"cache-{endpoint}"), "results_dir": str(tmp_path / "results"),
