@@ -3,7 +3,6 @@ reliability, prompt rendering variants) and the routing rule, against the stand-
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import httpx
 import pytest

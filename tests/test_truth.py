@@ -3,7 +3,6 @@ reproduces, no sample is called exact or repaired unless its ids equal the ids t
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import httpx
 import pytest
