@@ -58,8 +58,8 @@ class ConversationEnd:
 
 
 def split_turns(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], list[Turn]]:
-    """(preamble, turns) of a record's messages; a record ending in a user message has a last turn
-    with no original reply."""
+    """(preamble, turns) of a record's messages; a record ending in a user message (or in tool
+    results) has a last turn with no original reply."""
     msgs = [dict(m) for m in messages]
     i = 0
     while i < len(msgs) and msgs[i].get("role") in PREAMBLE_ROLES:
@@ -77,6 +77,8 @@ def split_turns(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str, A
             current.opening.append(msg)
     if current.opening:
         turns.append(current)
+    elif turns and turns[-1].tool_results and msgs and msgs[-1].get("role") == "tool":
+        turns.append(current)  # a record ending in tool results: the model's answer to them is a turn
     return preamble, turns
 
 

@@ -15,6 +15,9 @@ one dataset's job in these steps, each in a module of its own:
 5. **Requests** (:mod:`~eagledata.generate.attempts`): workers with retries; 401/402/budget stop the job
    (:class:`JobStopped`), SIGINT/SIGTERM and ``generation.job_timeout_s`` drain it (:class:`Interrupted`,
    exit status 128 + signal from the entry points), the answers received are made durable.
+   With ``turns: all`` (:mod:`~eagledata.generate.turns`) the requests go in rounds, one turn of
+   every unfinished conversation per round, each round's bodies computed from the replies cached
+   by the rounds before (a conversation's turns in order, different conversations concurrently).
 6. **Output**: ``results/{dataset}/responses.jsonl`` written atomically in prompt-file order, with a
    summary (``generation_summary.json``) beside the cache; a prompt still failing after
    ``max_attempts`` is listed in :class:`GenerationError` (the others are cached; a rerun sends only
@@ -43,6 +46,7 @@ from eagledata.eventloop import uvloop_module
 from eagledata.generate.attempts import LEDGER_WRITE_ERRORS, GenerationJob, ledger_write_error
 from eagledata.generate.budget import BudgetLedger, LedgerSession, ledger_path
 from eagledata.generate.cache import ResponseCache, import_rescued_answers, keep_paid_answers, write_jsonl_atomic
+from eagledata.generate.dedup import dataset_option
 from eagledata.generate.cachelock import CacheLockTimeout, acquire_writer_lock, lock_wait_s
 from eagledata.generate.errors import GenerationError, Interrupted, JobStopped
 from eagledata.generate.openrouter import auth_headers, key_usage, reconcile_generations
@@ -52,13 +56,14 @@ from eagledata.generate.requests import (DEFAULT_API_BASE, DatasetWork, WorkItem
                                          uses_native_endpoint)
 from eagledata.generate.rescue import free_space
 from eagledata.generate.retries import ClientSettings
+from eagledata.generate.turns import TurnPlanner, TurnState, conversation_summary
 from eagledata.io import atomic_write_json
 
 #: Fields of every record of ``results/{dataset}/responses.jsonl``.
 RECORD_FIELDS = ("id", "prompt_id", "sample_index", "request", "status", "response_raw", "url", "cache_key",
                  "backend", "started_at", "elapsed_s", "attempts", "generation_id", "token_ids")
-#: Fields present only where they apply (SGLang backend; native endpoint).
-OPTIONAL_FIELDS = ("prompt_token_ids", "token_ids_info", "chat_request")
+#: Fields present only where they apply (SGLang backend; native endpoint; ``turns: all``).
+OPTIONAL_FIELDS = ("prompt_token_ids", "token_ids_info", "chat_request", "conversation", "turn")
 
 
 @dataclass
@@ -79,6 +84,9 @@ class Run:
     job: GenerationJob | None = None
     reconciled: dict[str, Any] = field(default_factory=dict)
     totals: dict[str, float] = field(default_factory=lambda: {"spent": 0.0, "held": 0.0})
+    planner: TurnPlanner | None = None  # turns: all
+    turn_state: TurnState | None = None
+    rounds: int = 0
 
 
 def never_failing(log: Log) -> Log:
@@ -109,11 +117,14 @@ def prepare(config: Mapping[str, Any], dataset: str, log: Log) -> Run:
                               "(e.g. http://127.0.0.1:30000)")
     headers = auth_headers(s.backend, dataset)
     tokenizer = None
-    if s.backend == "simulator" or uses_native_endpoint(s):  # the requests themselves need it (keys, prompt ids)
+    # the requests themselves need it (keys, prompt ids), and dedup compares canonical prompt ids
+    if s.backend == "simulator" or uses_native_endpoint(s) or dataset_option(config, dataset, "dedup"):
         from eagledata.generate.preflight import checked_tokenizer
 
         tokenizer = checked_tokenizer(config, s)  # found and self-checked, or a PreflightError naming the path
     work = dataset_work(config, dataset, tokenizer)
+    for d in work.duplicates:
+        log(f"generate {dataset}: {s.prompts}:{d.line}: prompt {d.id!r} left out, a duplicate of {d.duplicate_of} (dedup)")
     return Run(config, dataset, s, headers, tokenizer, work, log, api_base=work.api_base)
 
 
@@ -133,6 +144,9 @@ def open_cache(run: Run) -> None:
     if cache.skipped_lines:
         run.log(f"warning: {cache.path}: {cache.skipped_lines} unreadable line(s) ignored (those requests are sent again)")
     import_rescued_answers(cache, run.dataset, run.log)
+    if run.work.turns == "all":
+        run.planner = TurnPlanner(run.work, cache, run.tokenizer)
+        advance_turns(run)
     for it in run.work.items:
         if it.cache_key not in index:
             run.todo.setdefault(it.cache_key, it)
@@ -140,6 +154,17 @@ def open_cache(run: Run) -> None:
     s = run.settings
     run.log(f"generate {run.dataset}: {len(run.work.prompts)} prompts, {len(run.work.items)} samples; {run.n_cached} "
             f"cached in {cache.path}, {len(run.todo)} to request ({s.backend}, model {s.api_model})")
+
+
+def advance_turns(run: Run) -> dict[str, WorkItem]:
+    """``turns: all``: follow every conversation through the cache; the work's items become every
+    turn known, and the turns to request next are returned (and added to ``run.todo``)."""
+    assert run.planner is not None
+    state = run.turn_state = run.planner.advance()
+    run.work.items = state.items
+    new = {k: it for k, it in state.todo.items() if k not in run.todo}
+    run.todo.update(new)
+    return new
 
 
 def run_preflight(run: Run, output_path: str | Path) -> None:
@@ -187,18 +212,30 @@ async def reconcile_at_start(run: Run, ledger: BudgetLedger) -> None:
             ledger.add_key_snapshot(run.api_base, usage)
 
 
-def worst_cases(run: Run, price: Price) -> dict[str, float]:
+def next_round(run: Run, job: GenerationJob) -> dict[str, WorkItem]:
+    """``turns: all``: the next turns to request once a round finished cleanly (none: done, or the
+    job stopped, was interrupted or has failures, which a rerun resumes)."""
+    if run.planner is None or job.halted or job.failures:
+        return {}
+    new = advance_turns(run)
+    if new:
+        run.rounds += 1
+        run.log(f"generate {run.dataset}: turn round {run.rounds}: {len(new)} request(s) (each conversation's next turn)")
+    return new
+
+
+def worst_cases(run: Run, price: Price, items: Mapping[str, WorkItem] | None = None) -> dict[str, float]:
     """Each sample's reservation: its prompt's token upper bound and ``max_tokens`` at ``price``
     (samples of one prompt share the estimate)."""
     estimator = PromptEstimator(run.tokenizer) if run.tokenizer is not None else load_estimator(run.config, run.settings)
     max_tokens = int(run.settings.generation.get("max_tokens", 4096))
     reserve: dict[str, float] = {}
-    per_prompt: dict[str, int] = {}
-    for key, it in run.todo.items():
-        if it.prompt_id not in per_prompt:
+    per_prompt: dict[tuple[str, int | None], int] = {}
+    for key, it in (run.todo if items is None else items).items():
+        if (it.prompt_id, it.turn) not in per_prompt:  # a conversation's turns have prompts of their own
             req = it.chat_request
-            per_prompt[it.prompt_id] = estimator.count(req.get("messages"), req.get("tools"), req.get("reasoning"))[1]
-        reserve[key] = price.cost(per_prompt[it.prompt_id], max_tokens)
+            per_prompt[it.prompt_id, it.turn] = estimator.count(req.get("messages"), req.get("tools"), req.get("reasoning"))[1]
+        reserve[key] = price.cost(per_prompt[it.prompt_id, it.turn], max_tokens)
     if price.prompt == price.completion == 0 and run.settings.backend == "openrouter" and run.config.get("budget_usd") is not None:
         run.log(f"warning: {run.dataset}: price_per_mtok is 0, so reservations are $0 and budget_usd only counts settled "
                 "costs: set models.<name>.price_per_mtok (or generation.provider.max_price) for a hard cap")
@@ -225,6 +262,11 @@ async def run_requests(run: Run, ledger: BudgetLedger, progress_stream: Any) -> 
     t_run, c_run = time.monotonic(), time.process_time()
     try:
         await job.run()
+        while (new := next_round(run, job)):
+            reserve.update(worst_cases(run, price, new))
+            progress.total += len(new)
+            job.items = list(new.values())
+            await job.run()
     finally:
         job.run_s, job.run_cpu_s = time.monotonic() - t_run, time.process_time() - c_run
         try:
@@ -293,6 +335,11 @@ def summarize(run: Run, output_path: str | Path, elapsed: float) -> dict[str, An
         "completion_tokens_per_s": round(job.completion_tokens / elapsed, 1) if job else None,
         "stopped": (job.stop_reason or job.interrupt) if job else None,
         "output": str(output_path), "cache": str(run.cache.path)})
+    summary["dedup"] = {"enabled": bool(dataset_option(run.config, run.dataset, "dedup")),
+                        "dropped": [d.to_dict() for d in run.work.duplicates]}
+    if run.turn_state is not None:
+        summary["turns"] = "all"
+        summary["conversations"] = conversation_summary(run.turn_state, run.log, run.dataset)
     return summary
 
 
@@ -320,7 +367,8 @@ def raise_if_unfinished(run: Run) -> None:
 
 def output_record(rec: dict[str, Any], item: WorkItem) -> dict[str, Any]:
     """A cached record as this run's output record: ids from the current prompt file."""
-    rec.update(id=item.id, prompt_id=item.prompt_id, sample_index=item.sample_index)
+    rec.update(id=item.id, prompt_id=item.prompt_id, sample_index=item.sample_index, conversation=item.conversation,
+               turn=item.turn)
     out = {k: rec.get(k) for k in RECORD_FIELDS}
     out.update({k: rec[k] for k in OPTIONAL_FIELDS if rec.get(k) is not None})
     return out

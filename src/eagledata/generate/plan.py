@@ -11,6 +11,16 @@ for byte-level BPE vocabularies).
 cached, how many would be requested, and the cost range of those: low (prompt + one completion
 token each), expected (prompt + the mean completion length of the dataset's cached responses, when
 there are any) and worst case (the budget reservation); plus the ledger's spend and the budget left.
+With ``turns: all`` the plan counts turns, not records: ``samples`` is every user turn of every
+conversation (:func:`eagledata.generate.conversation.user_turns` x ``samples_per_prompt``),
+``cached`` the turns answered in the cache (followed conversation by conversation, as the job
+does), ``to_request`` the turns left of the conversations not ended. A later turn's prompt holds the
+model's earlier replies, not known before they are generated, so its estimate is the record's own
+messages up to that turn (system, user and tool messages; the original assistant replies left out)
+and its worst case adds :data:`HISTORY_TOKENS_PER_TURN` per earlier turn: ``max_tokens`` (the
+longest reply the model may give) plus that many template tokens. The worst case assumes every
+conversation runs to its last turn (none ends early at a tool mismatch).
+
 It also runs the cheap part of the generate job's preflight (:func:`eagledata.generate.tokenizers.tokenizer_problem`:
 the tokenizer directory is found and holds tokenizer files) and exits 1, naming the path, where it
 fails; a config error (unknown key, bad dataset name) stops it with the message, exit 2.
@@ -30,6 +40,11 @@ from eagledata.generate.cache import ResponseCache
 from eagledata.generate.prompts import canonical_json
 from eagledata.generate.requests import dataset_work
 from eagledata.generate.tokenizers import cached_model_tokenizer, tokenizer_problem, workflow_built
+
+
+#: Template tokens around one earlier reply in a later turn's prompt (its role markers and tool-call
+#: markup), on top of the reply's own ``max_tokens`` at most (worst case of ``turns: all``).
+HISTORY_TOKENS_PER_TURN = 32
 
 
 @dataclass(frozen=True)
@@ -122,24 +137,65 @@ def plan_dataset(config: Mapping[str, Any], name: str, estimator: PromptEstimato
                 "note": f"cannot compute the requests yet ({why})"}
     cache = ResponseCache(Path(config["cache_dir"]) / name / "responses.jsonl")
     index = cache.load()
-    todo = {it.cache_key: it for it in work.items if it.cache_key not in index}
     price = price_bound(s)
     max_tokens = int(s.generation.get("max_tokens", 4096))
-    prompt_est = prompt_upper = 0
-    for it in todo.values():
-        est, upper = estimator.count(it.chat_request.get("messages"), it.chat_request.get("tools"), it.chat_request.get("reasoning"))
-        prompt_est += est
-        prompt_upper += upper
-    mean = _mean_completion_tokens(cache.path, index) if index and todo else None
-    n = len(todo)
-    return {"dataset": name, "backend": s.backend, "model": s.api_model, "samples": len(work.items),
-            "cached": sum(1 for it in work.items if it.cache_key in index), "to_request": n,
+    if work.turns == "all":
+        samples, cached, n, prompt_est, prompt_upper, turns = _turns_plan(work, cache, estimator, max_tokens)
+    else:
+        todo = {it.cache_key: it for it in work.items if it.cache_key not in index}
+        prompt_est = prompt_upper = 0
+        for it in todo.values():
+            est, upper = estimator.count(it.chat_request.get("messages"), it.chat_request.get("tools"), it.chat_request.get("reasoning"))
+            prompt_est += est
+            prompt_upper += upper
+        samples, cached, n, turns = len(work.items), sum(1 for it in work.items if it.cache_key in index), len(todo), None
+    mean = _mean_completion_tokens(cache.path, index) if index and n else None
+    return {"dataset": name, "backend": s.backend, "model": s.api_model, "samples": samples,
+            "cached": cached, "to_request": n, **({"turns": turns} if turns else {}),
+            "duplicates": len(work.duplicates),
             "prompt_tokens": prompt_est, "max_tokens": max_tokens,
             "price_per_mtok": {"prompt": price.prompt, "completion": price.completion, "source": price.source},
             "cost_low": price.cost(prompt_est, n), "cost_expected": price.cost(prompt_est, n * mean) if mean is not None else None,
             "cost_worst": price.cost(prompt_upper, n * max_tokens), "mean_completion_tokens": mean,
             "prompt_estimate": estimator.method,
             "dataset_budget_usd": (config["datasets"][name].get("budget_usd"))}
+
+
+def _turns_plan(work: Any, cache: ResponseCache, estimator: PromptEstimator,
+                max_tokens: int) -> tuple[int, int, int, int, int, dict[str, Any]]:
+    """``turns: all``: (turns, cached, to request, prompt estimate, prompt upper bound, details) as in
+    the module docstring."""
+    from eagledata.generate.conversation import split_turns, user_turns
+    from eagledata.generate.requests import sample_id
+    from eagledata.generate.turns import TurnPlanner
+
+    state = TurnPlanner(work, cache, work.tokenizer).advance()
+    n_samples = int(work.settings.generation.get("samples_per_prompt", 1))
+    reasoning = work.settings.generation.get("reasoning")
+    total = todo = est_sum = upper_sum = 0
+    for p in work.prompts:
+        preamble, turns = split_turns(p.messages)
+        total += len(turns) * n_samples
+        counts = []  # (estimate, upper) of turn t's prompt without the replies
+        history = list(preamble)
+        for t, turn in enumerate(turns):
+            history += turn.opening
+            est, upper = estimator.count(history, p.tools, reasoning)
+            counts.append((est, upper + t * (max_tokens + HISTORY_TOKENS_PER_TURN)))
+            history += turn.tool_results
+        for k in range(n_samples):
+            conv = sample_id(p.id, k, n_samples)
+            if conv in state.ends:
+                continue
+            for est, upper in counts[state.answered.get(conv, 0):user_turns(p.messages)]:
+                todo += 1
+                est_sum += est
+                upper_sum += upper
+    cached = sum(1 for it in state.items if it.cache_key in cache.index)
+    details = {"conversations": len(state.answered), "ended": len(state.ends),
+               "worst_case": f"every conversation to its last turn; each earlier reply {max_tokens}+"
+                             f"{HISTORY_TOKENS_PER_TURN} tokens of the later prompts"}
+    return total, cached, todo, est_sum, upper_sum, details
 
 
 def plan(config: Mapping[str, Any], datasets: list[str] | None = None) -> dict[str, Any]:
@@ -192,6 +248,12 @@ def format_plan(p: Mapping[str, Any]) -> str:
         if p["remaining_usd"] is not None and p["cost_worst"] > p["remaining_usd"]:
             lines.append("note: the worst case exceeds what is left; generation stops starting requests at the budget "
                          "(completed responses stay cached)")
+    for r in p["datasets"]:
+        if r.get("turns"):
+            lines.append(f"note: {r['dataset']}: turns: all: samples/cached/request count turns of "
+                         f"{r['turns']['conversations']} conversation(s); worst case: {r['turns']['worst_case']}")
+        if r.get("duplicates"):
+            lines.append(f"note: {r['dataset']}: {r['duplicates']} duplicate prompt(s) left out (dedup)")
     for r in p["datasets"]:
         if r.get("preflight"):
             lines.append(f"error: {r['dataset']}: {r['preflight']} (generation would stop before its first request)")

@@ -1,4 +1,7 @@
-"""Prompt files: JSONL, one ``{"id"?, "messages": [...], "tools"?: [...]}`` object per line.
+"""Prompt files: JSONL, one ``{"id"?, "messages": [...], "tools"?: [...]}`` object per line, or a
+ShareGPT-style ``{"id"?, "conversations": [{"from", "value"}, ...], "tools"?}`` (converted to messages by
+:func:`eagledata.generate.conversation.sharegpt_messages`: ``human``/``user`` -> user,
+``gpt``/``assistant``/``chatgpt``/``model`` -> assistant, ``system``, ``tool``/``observation``).
 
 ``id`` is optional; the default is ``"p-"`` + the first 16 hex digits of the sha256 of the canonical
 JSON of ``{"messages", "tools"}``, so it is stable across runs and machines. Blank lines are allowed.
@@ -17,7 +20,7 @@ from eagledata.io import iter_json_lines, sha256_text
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 #: Top-level keys of a prompt line; ``metadata`` is carried by users and ignored here.
-PROMPT_KEYS = frozenset({"id", "messages", "tools", "metadata"})
+PROMPT_KEYS = frozenset({"id", "messages", "conversations", "tools", "metadata"})
 
 
 class PromptFileError(InputError):
@@ -106,13 +109,24 @@ def parse_prompt_line(obj: Any, where: str, lineno: int) -> Prompt:
     unknown = sorted(set(obj) - PROMPT_KEYS)
     if unknown:
         raise PromptFileError(f"{where}:{unknown[0]}: unknown field; allowed: {sorted(PROMPT_KEYS)}")
-    if "messages" not in obj:
-        raise PromptFileError(f"{where}:messages: missing")
-    messages = obj["messages"]
+    if "conversations" in obj:
+        if "messages" in obj:
+            raise PromptFileError(f"{where}:conversations: a line has either 'messages' or 'conversations', not both")
+        from eagledata.generate.conversation import ConversationFormatError, sharegpt_messages
+
+        try:
+            messages = sharegpt_messages(obj["conversations"], where)
+        except ConversationFormatError as exc:
+            raise PromptFileError(str(exc)) from None
+        field = "conversations"
+    elif "messages" not in obj:
+        raise PromptFileError(f"{where}:messages: missing (or a ShareGPT-style 'conversations' list)")
+    else:
+        messages, field = obj["messages"], "messages"
     if not isinstance(messages, list) or not messages:
         raise PromptFileError(f"{where}:messages: must be a non-empty list")
     for i, msg in enumerate(messages):
-        _check_message(msg, f"{where}:messages[{i}]")
+        _check_message(msg, f"{where}:{field}[{i}]")
     tools = obj.get("tools")
     if tools is not None:
         _check_tools(tools, f"{where}:tools")

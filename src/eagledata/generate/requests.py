@@ -10,10 +10,11 @@ change of an output-shaping setting requests anew.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
 from eagledata.config import DatasetSettings, dataset_settings, load_model_tokenizer
+from eagledata.generate.dedup import dataset_option, dedup_prompts
 from eagledata.generate.errors import GenerationError
 from eagledata.generate.prompts import Prompt, canonical_json, read_prompts
 from eagledata.io import sha256_text
@@ -125,6 +126,7 @@ def request_params(settings: DatasetSettings, config: Mapping[str, Any]) -> dict
     timeouts, retry and budget settings are left out on purpose."""
     params: dict[str, Any] = {"backend": settings.backend, "model": settings.api_model}
     params.update({k: settings.generation.get(k) for k in OUTPUT_SETTINGS})
+    params.update({k: dataset_option(config, settings.name, k) for k in ("turns", "dedup")})
     salt = endpoint_salt(settings)
     if salt:
         params["endpoint"] = salt
@@ -145,11 +147,15 @@ class WorkItem:
     cache_key: str
     chat_request: dict[str, Any]  # the OpenAI-form request (== request for chat endpoints)
     body_json: str  # ``request`` serialised: the bytes sent, and embedded as-is in the record
+    conversation: str | None = None  # ``turns: all``: the conversation (record id, ``#k`` for samples after one)
+    turn: int | None = None  # ``turns: all``: the turn number (0 = the first user turn)
 
 
 @dataclass
 class DatasetWork:
-    """A prompts dataset's work: settings, prompts, every sample's item, the endpoint."""
+    """A prompts dataset's work: settings, prompts, every sample's item, the endpoint. With
+    ``turns: all`` the items are each conversation's first turn (the later ones are known only from
+    the replies: :mod:`eagledata.generate.turns`)."""
 
     settings: DatasetSettings
     prompts: list[Prompt]
@@ -157,6 +163,29 @@ class DatasetWork:
     salt: dict[str, Any] | None
     url: str  # the completion endpoint
     api_base: str
+    turns: str = "last"  # the dataset's ``turns`` setting
+    duplicates: list[Any] = field(default_factory=list)  # the records left out (:mod:`eagledata.generate.dedup`)
+    tokenizer: Any = None
+
+
+def sample_id(prompt_id: str, sample_index: int, samples_per_prompt: int) -> str:
+    """A sample's id: the prompt's, with ``#k`` when the dataset has more than one sample per prompt."""
+    return prompt_id if samples_per_prompt == 1 else f"{prompt_id}#{sample_index}"
+
+
+def make_item(p: Prompt, settings: DatasetSettings, k: int, salt: Mapping[str, Any] | None, tokenizer: Any,
+              turn: int | None = None) -> WorkItem:
+    """One sample's item; with ``turn`` (``turns: all``), ``p.messages`` are that turn's request's
+    messages and the id is ``SAMPLE#tTURN``."""
+    n = int(settings.generation.get("samples_per_prompt", 1))
+    chat = build_request(p, settings, k)
+    if settings.backend == "sglang":
+        body = sglang_generate_request(chat, tokenizer) if uses_native_endpoint(settings) else sglang_chat_request(chat)
+    else:
+        body = chat
+    sid = sample_id(p.id, k, n)
+    return WorkItem(sid if turn is None else f"{sid}#t{turn}", p.id, k, body, cache_key(body, k, salt), chat,
+                    json.dumps(body, ensure_ascii=False), None if turn is None else sid, turn)
 
 
 def work_items(prompts: Iterable[Prompt], settings: DatasetSettings, salt: Mapping[str, Any] | None = None,
@@ -164,18 +193,7 @@ def work_items(prompts: Iterable[Prompt], settings: DatasetSettings, salt: Mappi
     """Every sample of ``prompts`` in prompt-file order (``samples_per_prompt`` each; ids
     ``PROMPT#k`` when more than one), with the body the dataset's backend is sent."""
     n = int(settings.generation.get("samples_per_prompt", 1))
-    native = uses_native_endpoint(settings)
-    items = []
-    for p in prompts:
-        for k in range(n):
-            chat = build_request(p, settings, k)
-            if settings.backend == "sglang":
-                body = sglang_generate_request(chat, tokenizer) if native else sglang_chat_request(chat)
-            else:
-                body = chat
-            items.append(WorkItem(p.id if n == 1 else f"{p.id}#{k}", p.id, k, body, cache_key(body, k, salt), chat,
-                                  json.dumps(body, ensure_ascii=False)))
-    return items
+    return [make_item(p, settings, k, salt, tokenizer) for p in prompts for k in range(n)]
 
 
 def simulator_salt(config: Mapping[str, Any], settings: DatasetSettings, tokenizer: Any) -> dict[str, Any]:
@@ -193,14 +211,35 @@ def dataset_work(config: Mapping[str, Any], dataset: str, tokenizer: Any = None)
     if s.backend not in ("openrouter", "sglang", "simulator"):
         raise GenerationError(f"dataset {dataset!r}: unknown backend {s.backend!r}")
     native = uses_native_endpoint(s)
-    if tokenizer is None and (s.backend == "simulator" or native):
+    turns, dedup = dataset_option(config, dataset, "turns"), dataset_option(config, dataset, "dedup")
+    if turns == "all" and native:
+        raise GenerationError(f"dataset {dataset!r}: turns: all needs the chat endpoint (the replies are parsed into "
+                              "the next turn's history); set generation.sglang_endpoint: chat")
+    if tokenizer is None and (s.backend == "simulator" or native or dedup):
         tokenizer = load_model_tokenizer(config, s.model_name)
     prompts = read_prompts(s.prompts)
+    duplicates: list[Any] = []
+    if dedup:
+        prompts, duplicates = dedup_prompts(config, dataset, prompts, tokenizer)
     salt = simulator_salt(config, s, tokenizer) if s.backend == "simulator" else endpoint_salt(s)
     base = normalized_api_base(s)
     if s.backend == "sglang":
         url = base + ("/generate" if native else "/v1/chat/completions")
     else:
         url = base + "/chat/completions"
-    return DatasetWork(s, prompts, work_items(prompts, s, salt, tokenizer), salt, url, base)
+    items = work_items(prompts, s, salt, tokenizer) if turns == "last" else first_turns(prompts, s, salt, tokenizer)
+    return DatasetWork(s, prompts, items, salt, url, base, turns, duplicates, tokenizer)
 
+
+def first_turns(prompts: Iterable[Prompt], settings: DatasetSettings, salt: Mapping[str, Any] | None,
+                tokenizer: Any) -> list[WorkItem]:
+    """``turns: all``: the first turn of every conversation (records without a user turn have none)."""
+    from eagledata.generate.conversation import turn_request
+
+    n = int(settings.generation.get("samples_per_prompt", 1))
+    items = []
+    for p in prompts:
+        messages = turn_request(p.messages, [], settings.family)
+        if isinstance(messages, list):
+            items += [make_item(replace(p, messages=messages), settings, k, salt, tokenizer, turn=0) for k in range(n)]
+    return items

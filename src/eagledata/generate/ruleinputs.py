@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from eagledata.config import DatasetSettings, dataset_settings
+from eagledata.generate.dedup import dataset_option, earlier_datasets
 from eagledata.generate.requests import request_params
 
 
@@ -20,12 +21,18 @@ class GenerateRuleInputs:
     def settings(self, wildcards: Any) -> DatasetSettings:
         return dataset_settings(self.config, wildcards.dataset)
 
-    def prompts(self, wildcards: Any) -> str:
-        return self.settings(wildcards).prompts
+    def prompts(self, wildcards: Any) -> list[str]:
+        """The dataset's prompt file, and (``dedup``) those of the datasets it is deduplicated
+        against (:func:`eagledata.generate.dedup.earlier_datasets`)."""
+        own = [self.settings(wildcards).prompts]
+        if not dataset_option(self.config, wildcards.dataset, "dedup"):
+            return own
+        return own + [self.config["datasets"][d]["prompts"] for d in earlier_datasets(self.config, wildcards.dataset)]
 
     def tokenizer(self, wildcards: Any) -> Any:
         """The simulator answers with the model's tokenizer, and SGLang's native endpoint is sent
-        prompt ids from it, so its files shape the responses there."""
+        prompt ids from it, so its files shape the responses there (dedup compares prompt ids too,
+        but a rebuilt tokenizer that merges no other prompts should not rerun the job)."""
         s = self.settings(wildcards)
         shaped = s.backend == "simulator" or (s.backend == "sglang" and s.generation.get("sglang_endpoint") == "generate")
         return self.tokenizer_input(wildcards) if shaped else []
