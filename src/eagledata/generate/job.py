@@ -52,6 +52,7 @@ from eagledata.generate.errors import GenerationError, Interrupted, JobStopped
 from eagledata.generate.openrouter import auth_headers, key_usage, reconcile_generations
 from eagledata.generate.plan import Price, PromptEstimator, load_estimator, price_bound
 from eagledata.generate.progress import Log, Progress, stderr_log
+from eagledata.generate.prompts import read_prompts
 from eagledata.generate.requests import (DEFAULT_API_BASE, DatasetWork, WorkItem, dataset_work, normalized_api_base,
                                          uses_native_endpoint)
 from eagledata.generate.rescue import free_space
@@ -116,6 +117,7 @@ def prepare(config: Mapping[str, Any], dataset: str, log: Log) -> Run:
         raise GenerationError(f"dataset {dataset!r} uses backend sglang: set generation.api_base to the SGLang server "
                               "(e.g. http://127.0.0.1:30000)")
     headers = auth_headers(s.backend, dataset)
+    read_prompts(s.prompts)  # a bad prompt file is reported (file:line:field) before the tokenizer is needed
     tokenizer = None
     # the requests themselves need it (keys, prompt ids), and dedup compares canonical prompt ids
     if s.backend == "simulator" or uses_native_endpoint(s) or dataset_option(config, dataset, "dedup"):
