@@ -126,7 +126,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="eagledata-bench-"))
     weights = Path(args.weights) if args.weights else build_demo_model(tmp / "model", 4096, seed=0)
     model = load_model(weights, args.compute_dtype, args.device)
-    backend = HFBackend(model, None, "after", args.compute_dtype)
+    backend = HFBackend(model, None, args.compute_dtype)
     tokens = make_tokens(tmp / "tokens", backend.vocab_size, args.samples, args.shards)
 
     # warm up (allocator, kernels), then paired runs; the median ratio is reported

@@ -1,7 +1,10 @@
 # Exports of the hidden states into trainers' own layouts (eagledata.export.trainers):
-#   results/{dataset}/export/specforge    SpecForge offline: rows_{g}-{g_end}/data_{i}.ckpt (needs final_norm: after)
-#   results/{dataset}/export/speculators  vLLM speculators: hidden_states/hs_{i}.safetensors (needs final_norm: before)
-# Enabled per trainer with export.specforge (default true) / export.speculators (default false).
+#   results/{dataset}/export/specforge    SpecForge offline: rows_{g}-{g_end}/data_{i}.ckpt (after the final norm,
+#                                         derived) + vocab_mapping/vocab_mapping.pt
+#   results/{dataset}/export/speculators  vLLM speculators: datasets dir + hidden_states/hs_{i}.safetensors (before
+#                                         the final norm) + d2t.npy, t2d.npy, token_freq.pt
+# Both read one extraction; enabled per trainer with export.specforge / export.speculators (both default true).
+# Per-shard files live in the undeclared results/{dataset}/export/{kind}.store (unchanged shards are not rewritten).
 # Targets: export_targets(name) / export_all_targets() in rules/common.smk.
 
 rule export:
@@ -15,6 +18,8 @@ rule export:
     params:
         kind="{kind}",
         group_size=config["export"]["specforge_group_size"],
+        dtype=lambda w: config["export"][f"{w.kind}_dtype"],
+        draft_vocab_size=config["export"]["draft_vocab_size"],
     log:
         "logs/{dataset}/export_{kind}.log",
     conda:

@@ -1,6 +1,16 @@
 # Hidden-state extraction (HF or SGLang backend) and the tiny random demo model.
 # Needs from rules/common.smk: RESULTS (config["results_dir"]) and weights_input(wildcards)
 # (the weights dir of the dataset's model).
+# The final hidden state is always stored BEFORE the final norm, with the norm's weight and eps
+# (eagledata.extract.norm): the SpecForge export derives the after-norm state, speculators reads it as is.
+
+if "final_norm" in config["extraction"]:
+    raise ValueError(
+        f"config extraction.final_norm ({config['extraction']['final_norm']!r}) was removed: every extraction "
+        "stores the final hidden state BEFORE the final norm with the norm's weight and epsilon, and both exports "
+        "(export.specforge: after the norm, derived; export.speculators: before it) read one extraction; "
+        "delete extraction.final_norm from the config"
+    )
 
 
 rule demo_model:
@@ -30,7 +40,6 @@ rule extract:
     params:
         # what the shards contain: a change reruns extraction (device, batch size, GPUs do not)
         layers=config["extraction"]["layers"],
-        final_norm=config["extraction"]["final_norm"],
         dtype=config["extraction"]["dtype"],
         compute_dtype=config["extraction"]["compute_dtype"],
         backend=config["extraction"]["backend"],

@@ -1,6 +1,7 @@
-"""Snakemake entry for rules export_specforge / export_speculators: hidden-state shards -> a
-trainer's own file layout (eagledata.export.trainers). Written to an undeclared sibling work directory and
-renamed onto the declared output at the end (a failed job's files survive for the next try)."""
+"""Snakemake entry for rule export (results/{dataset}/export/{kind}): hidden-state shards -> a
+trainer's own file layout (eagledata.export.trainers). Trainer files are written per hidden shard into
+the undeclared sibling store ({out}.store, kept across runs: unchanged shards are not rewritten); the
+layout is assembled in an undeclared sibling work directory and renamed onto the declared output."""
 
 import logging
 from pathlib import Path
@@ -14,8 +15,11 @@ log = logging.getLogger("eagledata.scripts.export")
 try:
     out = Path(smk.output[0])
     kind = smk.params.kind
-    kwargs = {"group_size": int(smk.params.group_size)} if kind == "specforge" else {}
-    export.EXPORTERS[kind](smk.input.hidden, out, work_dir=out.parent / f".{out.name}.partial", **kwargs)
+    kwargs = {"dtype": str(smk.params.dtype), "draft_vocab_size": int(smk.params.draft_vocab_size)}
+    if kind == "specforge":
+        kwargs["group_size"] = int(smk.params.group_size)
+    export.EXPORTERS[kind](smk.input.hidden, out, work_dir=out.parent / f".{out.name}.partial",
+                           store_dir=out.parent / f"{out.name}.store", **kwargs)
 except Exception:
     log.exception("export failed")
     raise

@@ -45,7 +45,6 @@ try:
         out_dir=out,
         weights=smk.input.weights,
         layers=cfg.get("layers"),
-        final_norm=str(cfg.get("final_norm", "after")),
         dtype=str(cfg.get("dtype", "bfloat16")),
         device=device,
         batch_tokens=int(cfg.get("batch_tokens", 8192)),
@@ -54,6 +53,7 @@ try:
         backend_options=options,
         reserve_disk_bytes=int(cfg.get("reserve_disk_gb", 0) * (1 << 30)),
         work_dir=out.parent / f".{out.name}.partial",
+        final_norm=cfg.get("final_norm"),  # removed setting: refused with a message when set
     )
 except Exception:
     log.exception("extraction failed")

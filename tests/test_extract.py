@@ -141,16 +141,17 @@ def test_layer_indices_match_forward_hooks_for_every_layer(model):
     assert not torch.allclose(hs[-1], hooks[L - 1], atol=1e-3)
 
     # our capture, asking for EVERY layer, against the hooks
-    aux, final = forward_hidden(dec, ids, None, list(range(L)), "after")
+    aux, final = forward_hidden(dec, ids, None, list(range(L)))
     assert aux.shape == (2, 33, L, dec.hidden_size)
     for i in range(L):
         torch.testing.assert_close(aux[:, :, i], hooks[i], rtol=0, atol=0)
-    torch.testing.assert_close(final, hs[-1], rtol=0, atol=0)
-    _, before = forward_hidden(dec, ids, None, [1], "before")
+    # the final state is the last layer's raw output (before the norm), whatever layers are asked
+    torch.testing.assert_close(final, hooks[L - 1], rtol=0, atol=0)
+    _, before = forward_hidden(dec, ids, None, [1])
     torch.testing.assert_close(before, hooks[L - 1], rtol=0, atol=0)
 
     # the defaults are the outputs of layers [1, 3, 4] = HF hidden_states[2], [4], [5]
-    aux_d, _ = forward_hidden(dec, ids, None, default_layers(L), "after")
+    aux_d, _ = forward_hidden(dec, ids, None, default_layers(L))
     for j, i in enumerate([1, 3, 4]):
         torch.testing.assert_close(aux_d[:, :, j], hs[i + 1], rtol=0, atol=0)
 
@@ -167,7 +168,7 @@ def test_plan_batches_budget_and_cover():
 # --------------------------------------------------------------------------- shard contents
 
 
-def test_shard_contents(fp32_out, token_rows, weights):
+def test_shard_contents(fp32_out, token_rows, weights, model):
     root, manifest = fp32_out
     tokens_manifest = json.loads((root / "tokens" / "manifest.json").read_text())
     assert [s["file"] for s in manifest["shards"]] == ["shard-00000.safetensors", "shard-00001.safetensors"]
@@ -190,7 +191,10 @@ def test_shard_contents(fp32_out, token_rows, weights):
             meta = f.metadata()
         assert json.loads(meta["sample_ids"]) == [r["id"] for r in train]
         assert json.loads(meta["layers"]) == [1, 3, 4]
-        assert meta["final_norm"] == "after" and "final norm" in meta["layer_semantics"]
+        assert meta["final_norm"] == "before" and "BEFORE the final norm" in meta["layer_semantics"]
+        assert meta["final_norm_kind"] == "rmsnorm" and float(meta["final_norm_eps"]) == model.config.rms_norm_eps
+        assert meta["vocab_size"] == str(VOCAB)
+        torch.testing.assert_close(t["final_norm_weight"], find_decoder(model).norm.weight.float(), rtol=0, atol=0)
         assert "output_hidden_states[2, 4, 5]" in meta["layer_semantics"]
         assert meta["dtype"] == "float32"
         assert meta["tokenizer_fingerprint"] == "tokfp-123"
@@ -201,7 +205,9 @@ def test_shard_contents(fp32_out, token_rows, weights):
         total_samples += len(train)
     assert manifest["tokens"] == total_tokens and manifest["samples"] == total_samples
     assert manifest["hidden_size"] == 64 and manifest["layers"] == [1, 3, 4]
-    assert manifest["final_norm"] == "after" and manifest["dtype"] == "float32"
+    assert manifest["final_norm"]["stored"] == "before" and manifest["final_norm"]["kind"] == "rmsnorm"
+    assert manifest["final_norm"]["eps"] == model.config.rms_norm_eps and manifest["vocab_size"] == VOCAB
+    assert manifest["dtype"] == "float32"
     assert manifest["tokenizer_fingerprint"] == "tokfp-123"
     assert json.loads((root / "hidden" / "manifest.json").read_text()) == manifest
 
@@ -217,7 +223,7 @@ def test_batched_equals_single_sample_forward(fp32_out, token_rows, model):
     assert len(ex.plan_batches([len(r["input_ids"]) for r in train], 200)) < len(train)  # really batched
     for k, r in enumerate(train):
         ids = torch.tensor([r["input_ids"]])
-        aux, final = forward_hidden(dec, ids, None, [1, 3, 4], "after")
+        aux, final = forward_hidden(dec, ids, None, [1, 3, 4])
         torch.testing.assert_close(t["aux_hidden_states"][off[k]:off[k + 1]], aux[0], rtol=1e-5, atol=2e-6)
         torch.testing.assert_close(t["hidden_state"][off[k]:off[k + 1]], final[0], rtol=1e-5, atol=2e-6)
 
@@ -245,9 +251,9 @@ def test_bf16_paths(tmp_path, fp32_out, token_rows, weights, model):
         assert f.metadata()["dtype"] == "bfloat16" and f.metadata()["compute_dtype"] == "bfloat16"
 
 
-def test_final_norm_before(tmp_path, token_rows, weights, model):
+def test_final_state_is_before_the_norm(tmp_path, token_rows, weights, model):
     tokens = write_tokens(tmp_path / "tokens", [token_rows[1][:4]])
-    ex.extract_dataset(tokens, tmp_path / "h", weights, final_norm="before", dtype="float32", device="cpu", model=model)
+    ex.extract_dataset(tokens, tmp_path / "h", weights, dtype="float32", device="cpu", model=model)
     path = tmp_path / "h" / "shard-00000.safetensors"
     t = load_file(path)
     dec = find_decoder(model)
@@ -409,7 +415,8 @@ def test_disk_space_checked_before_a_shard_starts(tmp_path, token_rows, weights,
     n = sum(len(r["input_ids"]) for r in token_rows[1] if r["train"])
     s = sum(1 for r in token_rows[1] if r["train"])
     need = estimate_shard_bytes(n, s, 3, 64, "float32")
-    assert need == n * (3 + 1) * 64 * 4 + n * 9 + (s + 1) * 8  # tokens x (layers + 1) x H x size + ids, mask, offsets
+    # tokens x (layers + 1) x H x size + ids, mask, offsets + the final norm's weight (H float32)
+    assert need == n * (3 + 1) * 64 * 4 + n * 9 + (s + 1) * 8 + 64 * 4
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(_shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 1000, 1000))
     with pytest.raises(ExtractionError, match=r"not enough disk space for .*shard-00000\.safetensors.*needs [\d,]+ bytes.*only 1,000 bytes"):
@@ -491,7 +498,7 @@ def test_hf_backend_contract(model):
     """HFBackend.forward: per sample (aux [T, n, H], final [T, H]) in the requested dtype on the
     CPU, equal to single-sample hooks; fp32 and bf16 output paths."""
     dec = find_decoder(model)
-    backend = HFBackend(model, [1, 3, 4], "after")
+    backend = HFBackend(model, [1, 3, 4])
     assert (backend.num_layers, backend.hidden_size, backend.vocab_size) == (8, 64, VOCAB)
     g = torch.Generator().manual_seed(3)
     seqs = [torch.randint(0, VOCAB, (t,), generator=g) for t in (17, 5, 30)]
@@ -503,8 +510,29 @@ def test_hf_backend_contract(model):
             hooks, res = _hook_outputs(dec, s[None])
             for j, i in enumerate([1, 3, 4]):
                 torch.testing.assert_close(aux[:, j].float(), hooks[i][0].to(dtype).float(), **tol)
-            torch.testing.assert_close(final.float(), res.last_hidden_state[0].to(dtype).float(), **tol)
+            torch.testing.assert_close(final.float(), hooks[dec.num_layers - 1][0].to(dtype).float(), **tol)
     with pytest.raises(ExtractionError, match="backend captures layers"):
-        as_backend(backend, [1, 2, 3], "after")
-    with pytest.raises(ExtractionError, match="final_norm"):
-        as_backend(backend, None, "before")
+        as_backend(backend, [1, 2, 3])
+
+
+def test_removed_final_norm_setting_is_refused(tmp_path, token_rows, weights, model):
+    tokens = write_tokens(tmp_path / "tokens", [token_rows[1][:2]])
+    for value in ("after", "before"):
+        with pytest.raises(ExtractionError, match="extraction.final_norm .* was removed.*delete the key"):
+            ex.extract_dataset(tokens, tmp_path / "h", weights, final_norm=value, device="cpu", model=model)
+
+
+def test_non_rms_final_norm_is_refused(model):
+    """A final norm the stored weight + eps cannot reproduce (Gemma-style 1 + weight) is refused
+    before anything is extracted."""
+    import copy
+
+    from eagledata.extract.norm import check_rms_norm, final_norm_of
+
+    dec = find_decoder(model)
+    check_rms_norm(dec.norm, final_norm_of(dec.norm))
+    odd = copy.deepcopy(dec.norm)
+    forward = odd.forward
+    odd.forward = lambda x: forward(x) + x * 0.5
+    with pytest.raises(ExtractionError, match="is not x \\* rsqrt"):
+        check_rms_norm(odd, final_norm_of(odd))

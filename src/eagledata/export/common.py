@@ -1,7 +1,14 @@
-"""What every trainer export shares: reading the hidden-state shards back sample by sample
-(:func:`iter_samples`), the resumable work directory (:func:`prepare_target`, keyed by the source
-manifest and settings), the metadata common to every ``export.json`` (:func:`common_meta`), and
-publishing (:func:`finish`: ``mapping.parquet``, ``export.json``, rename onto the output).
+"""What every trainer export shares: the hidden-state shards read back shard by shard and sample by
+sample (:func:`hidden_shards`, :func:`iter_samples`), the per-shard store that makes an export
+incremental (:class:`ShardStore`), the layout assembled from it by hard links (:func:`link`), the
+draft-vocabulary token counts, the metadata common to every ``export.json`` (:func:`common_meta`),
+and publishing (:func:`finish`: ``mapping.parquet``, ``export.json``, rename onto the output).
+
+Per shard: each hidden shard's trainer files are written once into
+``{out}.store/{shard stem}-{key}/`` (``key`` = sha256 of the shard's sha256, the trainer and its
+settings; ``.done`` marks a complete entry), then hard-linked under their global names into the
+export. A rerun rewrites only the shards whose content or settings changed; renumbering after an
+insertion only relinks. Store entries no current shard uses are removed.
 
 Every file is written through :func:`eagledata.io.atomic_path` (``*.tmp-PID``, fsync'ed, renamed).
 """
@@ -10,33 +17,51 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator
 
 from eagledata.extract.base import ExtractionError
-from eagledata.extract.storage import publish_dir, read_index
+from eagledata.extract.norm import FinalNorm
+from eagledata.extract.storage import FORMAT, publish_dir, read_index
 from eagledata.io import atomic_path, atomic_write_json
 
-EXPORT_FORMAT = "eagledata-export/1"
+log = logging.getLogger("eagledata.export.common")
+
+EXPORT_FORMAT = "eagledata-export/2"
+EXPORT_DTYPES = ("bfloat16", "float16", "float32")
 
 
 @dataclass
 class Sample:
-    """One sample read back from the hidden-state shards."""
+    """One sample read back from the hidden-state shards (``final`` before the final norm)."""
 
     sample: int
     id: str
     shard: str
+    row: int
     input_ids: Any  # torch int64 [T]
     loss_mask: Any  # torch int8 [T]
     aux: Any  # [T, n_layers, H]
-    final: Any  # [T, H]
+    final: Any  # [T, H], before the final norm
+
+
+@dataclass
+class HiddenShard:
+    """One hidden-state shard of a finished extraction, with its samples' rows of ``index.parquet``."""
+
+    file: str
+    sha256: str
+    norm: FinalNorm
+    rows: list[dict[str, Any]]
 
 
 def read_hidden_manifest(hidden_dir: str | Path) -> dict[str, Any]:
-    """The hidden-state ``manifest.json`` of a finished extraction (else :class:`ExtractionError`)."""
+    """The hidden-state ``manifest.json`` of a finished extraction in the current format (else
+    :class:`ExtractionError`)."""
     path = Path(hidden_dir) / "manifest.json"
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
@@ -44,57 +69,120 @@ def read_hidden_manifest(hidden_dir: str | Path) -> dict[str, Any]:
         raise ExtractionError(f"hidden-state manifest not found: {path}") from None
     if not manifest.get("complete", True):
         raise ExtractionError(f"{path} describes an unfinished extraction (complete: false)")
+    if manifest.get("format") != FORMAT:
+        raise ExtractionError(f"{path} is format {manifest.get('format')!r}, exports read {FORMAT!r} (final state "
+                              "before the norm, with the norm's weight): rerun the extraction")
     return manifest
 
 
-def iter_samples(hidden_dir: str | Path) -> Iterator[Sample]:
-    """Every sample of ``hidden_dir`` in ``index.parquet`` order, sliced from the shards without
-    loading whole shards (safetensors slices)."""
+def hidden_shards(hidden_dir: str | Path, manifest: dict[str, Any]) -> list[HiddenShard]:
+    """The manifest's shards in order, each with its final norm (read from the shard) and index rows."""
     from safetensors import safe_open
 
     hidden_dir = Path(hidden_dir)
-    index = read_index(hidden_dir)
-    handles: dict[str, Any] = {}
-    try:
-        for row in index.iter_rows(named=True):
-            f = handles.get(row["shard"])
-            if f is None:
-                for old in handles.values():
-                    old.__exit__(None, None, None)
-                handles.clear()
-                f = safe_open(str(hidden_dir / row["shard"]), "pt")
-                f.__enter__()
-                handles[row["shard"]] = f
+    by_shard: dict[str, list[dict[str, Any]]] = {}
+    for row in read_index(hidden_dir).iter_rows(named=True):
+        by_shard.setdefault(row["shard"], []).append(row)
+    out = []
+    for entry in manifest["shards"]:
+        with safe_open(str(hidden_dir / entry["file"]), "pt") as f:
+            norm = FinalNorm(f.get_tensor("final_norm_weight"), float(f.metadata()["final_norm_eps"]))
+        out.append(HiddenShard(entry["file"], entry["sha256"], norm, by_shard.get(entry["file"], [])))
+    return out
+
+
+def iter_samples(hidden_dir: str | Path, shard: HiddenShard) -> Iterator[Sample]:
+    """Every sample of ``shard`` in index order, sliced without loading the whole shard."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(hidden_dir) / shard.file), "pt") as f:
+        for row in shard.rows:
             a, b = row["offset"], row["offset"] + row["length"]
             yield Sample(
-                sample=row["sample"], id=row["id"], shard=row["shard"],
+                sample=row["sample"], id=row["id"], shard=row["shard"], row=row["row"],
                 input_ids=f.get_slice("input_ids")[a:b], loss_mask=f.get_slice("loss_mask")[a:b],
                 aux=f.get_slice("aux_hidden_states")[a:b], final=f.get_slice("hidden_state")[a:b],
             )
-    finally:
-        for f in handles.values():
-            f.__exit__(None, None, None)
 
 
-def source_key(hidden_dir: Path, kind: str, settings: dict[str, Any]) -> str:
-    """What an export's files depend on: the source manifest, the trainer and its settings."""
-    h = hashlib.sha256((hidden_dir / "manifest.json").read_bytes())
-    h.update(json.dumps({"kind": kind, **settings}, sort_keys=True).encode())
-    return h.hexdigest()
+def completion_token_counts(hidden_dir: str | Path, shard: HiddenShard, vocab_size: int) -> Any:
+    """int64 [vocab_size]: how often each token id occurs at loss-masked (completion) positions."""
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(str(Path(hidden_dir) / shard.file), "pt") as f:
+        ids = f.get_tensor("input_ids")[f.get_tensor("loss_mask").to(torch.bool)]
+    return torch.bincount(ids, minlength=vocab_size)[:vocab_size]
 
 
-def prepare_target(out_dir: Path, work_dir: Path | None, key: str) -> Path:
-    """The directory to write into. A work dir left by an interrupted run over the same source
-    (same key) is reused; otherwise it starts empty."""
+class ShardStore:
+    """Per-shard files of one export kind under ``root`` (module docstring)."""
+
+    def __init__(self, root: Path, kind: str, settings: dict[str, Any]):
+        self.root, self.kind, self.settings = root, kind, settings
+        self.used: set[str] = set()
+
+    def entry(self, shard: HiddenShard) -> Path:
+        h = hashlib.sha256(json.dumps({"shard": shard.sha256, "kind": self.kind, **self.settings},
+                                      sort_keys=True).encode()).hexdigest()
+        return self.root / f"{Path(shard.file).stem}-{h[:16]}"
+
+    def ensure(self, shard: HiddenShard, write: Callable[[Path], None]) -> tuple[Path, bool]:
+        """The shard's entry, written by ``write(entry_dir)`` unless complete already; returns
+        ``(entry, written)``."""
+        d = self.entry(shard)
+        self.used.add(d.name)
+        if (d / ".done").exists():
+            return d, False
+        if d.exists():
+            shutil.rmtree(d)
+        d.mkdir(parents=True)
+        write(d)
+        (d / ".done").write_text(shard.sha256)
+        return d, True
+
+    def prune(self) -> None:
+        """Remove entries no shard of this export used."""
+        if not self.root.exists():
+            return
+        for p in self.root.iterdir():
+            if p.name not in self.used:
+                log.info("removing unused store entry %s", p)
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+def link(src: Path, dst: Path) -> None:
+    """Hard-link ``src`` to ``dst`` (a copy where links are impossible)."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def fresh_target(out_dir: Path, work_dir: Path | None) -> Path:
+    """The (emptied) directory an export's layout is assembled in."""
     target = work_dir if work_dir is not None else out_dir
-    stamp = target / ".source"
-    if target.exists() and not (stamp.exists() and stamp.read_text() == key):
+    if target.exists():
         shutil.rmtree(target)
-    target.mkdir(parents=True, exist_ok=True)
-    stamp.write_text(key)
-    for stale in target.rglob("*.tmp-*"):
-        stale.unlink()
+    target.mkdir(parents=True)
     return target
+
+
+def check_export_dtype(dtype: str, key: str) -> Any:
+    """The torch dtype of an export (:data:`EXPORT_DTYPES`), else :class:`ExtractionError` naming ``key``."""
+    import torch
+
+    if dtype not in EXPORT_DTYPES:
+        raise ExtractionError(f"export.{key} must be one of {EXPORT_DTYPES}, got {dtype!r}")
+    return getattr(torch, dtype)
+
+
+def write_torch(path: Path, obj: Any) -> None:
+    import torch
+
+    with atomic_path(path) as tmp:
+        torch.save(obj, tmp)
 
 
 def finish(target: Path, out_dir: Path, work_dir: Path | None, rows: dict[str, list], meta: dict[str, Any]) -> dict[str, Any]:
@@ -104,13 +192,13 @@ def finish(target: Path, out_dir: Path, work_dir: Path | None, rows: dict[str, l
     with atomic_path(target / "mapping.parquet") as tmp:
         pl.DataFrame(rows).write_parquet(tmp)
     atomic_write_json(target / "export.json", meta, indent=2)
-    (target / ".source").unlink()
     if work_dir is not None:
         publish_dir(target, out_dir)
     return meta
 
 
-def common_meta(manifest: dict[str, Any], hidden_dir: Path, trainer: str, samples: int, tokens: int) -> dict[str, Any]:
+def common_meta(manifest: dict[str, Any], hidden_dir: Path, trainer: str, samples: int, tokens: int,
+                dtype: str) -> dict[str, Any]:
     """The ``export.json`` fields every trainer's export has."""
     return {
         "format": EXPORT_FORMAT,
@@ -122,21 +210,56 @@ def common_meta(manifest: dict[str, Any], hidden_dir: Path, trainer: str, sample
         "tokenizer_fingerprint": manifest.get("tokenizer_fingerprint"),
         "layers": manifest["layers"],
         "layer_semantics": manifest.get("layer_semantics"),
-        "final_norm": manifest["final_norm"],
-        "dtype": manifest["dtype"],
+        "source_final_norm": manifest["final_norm"],
+        "source_dtype": manifest["dtype"],
+        "dtype": dtype,
         "hidden_size": manifest["hidden_size"],
         "num_layers": manifest["num_layers"],
+        "vocab_size": manifest["vocab_size"],
         "samples": samples,
         "tokens": tokens,
         "mapping": "mapping.parquet",
     }
 
 
-def require_final_norm(manifest: Mapping[str, Any], hidden_dir: Path, want: str, target: str, why: str,
-                        key: str) -> None:
-    """Raise unless the extraction's ``final_norm`` is the one trainer ``target`` needs."""
-    if manifest["final_norm"] != want:
-        raise ExtractionError(
-            f"{target} export needs the final hidden state {want.upper()} the final norm ({why}), but {hidden_dir} "
-            f"was extracted with final_norm={manifest['final_norm']!r}; set extraction.final_norm: {want} "
-            f"(or disable export.{key})")
+@dataclass
+class Assembled:
+    """What :func:`assemble` built: ``mapping.parquet`` rows, token counts, shards (re)written."""
+
+    rows: dict[str, list]
+    counts: Any  # int64 [vocab_size], loss-masked tokens
+    tokens: int
+    written: int
+
+
+def assemble(hidden_dir: Path, manifest: dict[str, Any], target: Path, store: ShardStore,
+             write_sample: Callable[[Path, Sample, HiddenShard], None], global_name: Callable[[int], str],
+             local_name: Callable[[int], str]) -> Assembled:
+    """For every shard: its store entry (``write_sample(entry / local_name(row), sample, shard)``
+    for each sample unless the entry is complete), then every sample's file hard-linked to
+    ``target / global_name(sample)``; unused store entries are pruned at the end."""
+    import torch
+
+    vocab = int(manifest["vocab_size"])
+    counts = torch.zeros(vocab, dtype=torch.int64)
+    rows: dict[str, list] = {"sample": [], "id": [], "file": [], "tokens": [], "shard": []}
+    written = tokens = 0
+
+    for shard in hidden_shards(hidden_dir, manifest):
+        def write(entry: Path, shard: HiddenShard = shard) -> None:
+            for s in iter_samples(hidden_dir, shard):
+                with atomic_path(entry / local_name(s.row)) as tmp:
+                    write_sample(tmp, s, shard)
+
+        entry, fresh = store.ensure(shard, write)
+        written += fresh
+        counts += completion_token_counts(hidden_dir, shard, vocab)
+        for row in shard.rows:
+            rel = global_name(row["sample"])
+            link(entry / local_name(row["row"]), target / rel)
+            for k, v in (("sample", row["sample"]), ("id", row["id"]), ("file", rel), ("tokens", row["length"]),
+                         ("shard", shard.file)):
+                rows[k].append(v)
+            tokens += row["length"]
+    store.prune()
+    return Assembled(rows, counts, tokens, written)

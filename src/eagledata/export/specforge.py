@@ -1,14 +1,19 @@
-"""SpecForge export (offline EAGLE-3 training; its trainer walks a directory for ``*.ckpt`` and
-``torch.load``s each):
+"""SpecForge export (offline EAGLE-3 training; its ``OfflineManifestReader`` walks a directory for
+``*.ckpt`` and ``torch.load``s each, ``normalize_offline_sample`` maps the keys):
 
 * ``rows_{g}-{g_end}/data_{i}.ckpt`` for sample ``i`` (our global sample order, ``index.parquet``),
   ``g = i // group_size * group_size``, ``g_end = g + min(group_size, S - g)`` (as SpecForge's
-  ``prepare_hidden_states.py`` names them; group size 2000);
+  ``prepare_hidden_states.py`` names them; group size 2000; the reader parses no names);
 * each file a ``torch.save`` dict: ``input_ids`` [T] int64, ``loss_mask`` [T] int64,
   ``hidden_state`` [1, T, H] and ``aux_hidden_state`` [1, T, n_layers * H] (layers concatenated in
-  order on the last dim) in the stored dtype;
-* needs ``final_norm: after``: SpecForge computes target logits as ``lm_head(hidden_state)`` with no
-  norm of its own.
+  order on the last dim) in the export dtype (bf16 by default: SpecForge's target head is bf16);
+* ``hidden_state`` is AFTER the final norm (SpecForge computes target logits as
+  ``lm_head(hidden_state)``), derived from the stored pre-norm state with the stored norm
+  (:func:`eagledata.extract.norm.apply_final_norm`, float32);
+* ``vocab_mapping/vocab_mapping.pt``: ``{"d2t", "t2d"}`` (:mod:`eagledata.export.vocab`).
+
+Files are written per hidden shard into ``{out}.store`` and hard-linked into the layout
+(:mod:`eagledata.export.common`).
 """
 
 from __future__ import annotations
@@ -18,16 +23,18 @@ from pathlib import Path
 from typing import Any
 
 from eagledata.export.common import (
+    HiddenShard,
+    Sample,
+    ShardStore,
+    assemble,
+    check_export_dtype,
     common_meta,
     finish,
-    iter_samples,
-    prepare_target,
+    fresh_target,
     read_hidden_manifest,
-    require_final_norm,
-    source_key,
 )
+from eagledata.export.vocab import build_mapping, coverage, effective_draft_vocab, write_specforge_mapping
 from eagledata.extract.base import ExtractionError
-from eagledata.io import atomic_path
 
 log = logging.getLogger("eagledata.export.specforge")
 
@@ -40,47 +47,54 @@ def specforge_path(sample: int, total: int, group_size: int = SPECFORGE_GROUP_SI
     return f"rows_{g}-{g + min(group_size, total - g)}/data_{sample}.ckpt"
 
 
+def specforge_sample(s: Sample, shard: HiddenShard, dtype: Any) -> dict[str, Any]:
+    """The ``torch.save`` dict of one sample (module docstring)."""
+    import torch
+
+    t, n, h = s.aux.shape
+    return {
+        "input_ids": s.input_ids.to(torch.int64).contiguous().clone(),
+        "loss_mask": s.loss_mask.to(torch.int64).contiguous().clone(),
+        "hidden_state": shard.norm.apply(s.final, dtype).contiguous().clone().unsqueeze(0),
+        "aux_hidden_state": s.aux.to(dtype).reshape(t, n * h).contiguous().clone().unsqueeze(0),
+    }
+
+
 def export_specforge(hidden_dir: str | Path, out_dir: str | Path, *, group_size: int = SPECFORGE_GROUP_SIZE,
-                     work_dir: str | Path | None = None) -> dict[str, Any]:
+                     dtype: str = "bfloat16", draft_vocab_size: int = 32000, work_dir: str | Path | None = None,
+                     store_dir: str | Path | None = None) -> dict[str, Any]:
     """Write SpecForge's offline layout (module docstring). Returns the export metadata."""
     import torch
 
     hidden_dir, out_dir = Path(hidden_dir), Path(out_dir)
     manifest = read_hidden_manifest(hidden_dir)
-    require_final_norm(manifest, hidden_dir, "after", "SpecForge", "its trainer applies only lm_head", "specforge")
     if group_size < 1:
         raise ExtractionError(f"export.specforge_group_size must be >= 1, got {group_size}")
-    target = prepare_target(out_dir, Path(work_dir) if work_dir else None,
-                             source_key(hidden_dir, "specforge", {"group_size": group_size}))
+    tdtype = check_export_dtype(dtype, "specforge_dtype")
+    draft = effective_draft_vocab(draft_vocab_size, manifest["vocab_size"])
+    work = Path(work_dir) if work_dir else None
+    store = ShardStore(Path(store_dir) if store_dir else out_dir.parent / f"{out_dir.name}.store", "specforge",
+                       {"dtype": dtype})
+    target = fresh_target(out_dir, work)
     total = int(manifest["samples"])
-    rows: dict[str, list] = {"sample": [], "id": [], "file": [], "tokens": [], "shard": []}
-    tokens = 0
-    for s in iter_samples(hidden_dir):
-        rel = specforge_path(s.sample, total, group_size)
-        path = target / rel
-        t, n, h = s.aux.shape
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            data = {
-                "input_ids": s.input_ids.to(torch.int64).contiguous().clone(),
-                "loss_mask": s.loss_mask.to(torch.int64).contiguous().clone(),
-                "hidden_state": s.final.contiguous().clone().unsqueeze(0),
-                "aux_hidden_state": s.aux.reshape(t, n * h).contiguous().clone().unsqueeze(0),
-            }
-            with atomic_path(path) as tmp:
-                torch.save(data, tmp)
-        rows["sample"].append(s.sample)
-        rows["id"].append(s.id)
-        rows["file"].append(rel)
-        rows["tokens"].append(t)
-        rows["shard"].append(s.shard)
-        tokens += t
-    meta = common_meta(manifest, hidden_dir, "specforge", len(rows["sample"]), tokens)
+    built = assemble(hidden_dir, manifest, target, store,
+                     lambda path, s, shard: torch.save(specforge_sample(s, shard, tdtype), path),
+                     lambda i: specforge_path(i, total, group_size), lambda row: f"data_{row}.ckpt")
+    d2t, t2d = build_mapping(built.counts, draft)
+    meta = common_meta(manifest, hidden_dir, "specforge", len(built.rows["sample"]), built.tokens, dtype)
     meta.update({
         "group_size": group_size,
         "layout": "rows_{g}-{g_end}/data_{sample}.ckpt: torch.save dict input_ids [T] int64, loss_mask [T] int64, "
-                  f"hidden_state [1, T, H], aux_hidden_state [1, T, {len(manifest['layers'])} * H] ({manifest['dtype']})",
+                  f"hidden_state [1, T, H] (after the final norm), aux_hidden_state [1, T, {len(manifest['layers'])} * H] "
+                  f"({dtype})",
+        "final_state": "after the final norm (derived from the stored pre-norm state with the stored RMSNorm)",
         "specforge_aux_hidden_states_layers": manifest["layers"],
+        "vocab_mapping": write_specforge_mapping(target, d2t, t2d),
+        "draft_vocab_size": draft,
+        "draft_vocab_size_requested": draft_vocab_size,
+        "draft_vocab_coverage": coverage(built.counts, t2d),
+        "shards_written": built.written,
     })
-    log.info("SpecForge export %s: %d samples, %d tokens", out_dir, meta["samples"], tokens)
-    return finish(target, out_dir, Path(work_dir) if work_dir else None, rows, meta)
+    log.info("SpecForge export %s: %d samples, %d tokens, %d of %d shards written", out_dir, meta["samples"],
+             built.tokens, built.written, len(manifest["shards"]))
+    return finish(target, out_dir, work, built.rows, meta)

@@ -1,15 +1,20 @@
-"""vLLM speculators export (``hidden_states/hs_{i}.safetensors``, read with
-``safetensors.torch.load_file``; its trainer takes ``hidden_states[:, :-1]`` flattened as the aux
-input and ``hidden_states[:, -1]`` as the verifier's last hidden state):
+"""vLLM speculators export: a data directory its ``ArrowDataset`` and train script read as written.
 
-* ``token_ids`` [T] int64 and ``hidden_states`` [T, n_layers + 1, H]: the aux layers in order, then
-  the final state (so the final state IS one of the ``n_layers + 1`` entries);
-* needs ``final_norm: before``: vLLM captures the final entry as aux id ``L`` = the last layer's
-  output before the norm;
-* the loss mask lives in speculators' dataset, not in the hs files: ``mapping.parquet`` carries
-  ``input_ids``, ``loss_mask`` and ``seq_len`` per sample, so
-  ``datasets.Dataset.from_parquet(".../mapping.parquet").save_to_disk(".../speculators")`` gives
-  the dataset whose ``hidden_states/`` folder the files already sit in.
+* the directory itself is a Hugging Face ``datasets`` dataset (``Dataset.save_to_disk``, format
+  ``torch``; ``load_from_disk(datapath)``): row ``i`` holds ``input_ids`` (int64), ``loss_mask``
+  (int64, 1 on completion tokens) and ``seq_len`` of sample ``i`` (our global order, ``index.parquet``);
+* ``hidden_states/hs_{i}.safetensors`` (its ``FileTransfer``; ``safetensors.torch.load_file``):
+  ``token_ids`` [T] int64 (must equal row ``i``'s ``input_ids``) and ``hidden_states``
+  [T, n_layers + 1, H] in the export dtype (bf16 by default): the aux layers in order, then the final
+  state BEFORE the final norm (its trainer takes ``[:, :-1]`` flattened as the aux input and ``[:, -1]``
+  as the verifier's last hidden state, and applies the verifier's norm itself);
+* ``d2t.npy`` / ``t2d.npy`` / ``token_freq.pt`` (:mod:`eagledata.export.vocab`), which its train
+  script looks for in the data path;
+* ``export.json`` lists ``eagle_aux_hidden_state_layer_ids``: the three auxiliary layers in vLLM's
+  numbering (``i + 1``), which its trainer's fc layer is sized by (the final state is not one of them).
+
+``hs_*`` files are written per hidden shard into ``{out}.store`` and hard-linked into the layout
+(:mod:`eagledata.export.common`); the dataset and vocabulary files are rewritten on every run.
 """
 
 from __future__ import annotations
@@ -19,15 +24,17 @@ from pathlib import Path
 from typing import Any
 
 from eagledata.export.common import (
+    Sample,
+    ShardStore,
+    assemble,
+    check_export_dtype,
     common_meta,
     finish,
-    iter_samples,
-    prepare_target,
+    fresh_target,
     read_hidden_manifest,
-    require_final_norm,
-    source_key,
 )
-from eagledata.io import atomic_path
+from eagledata.export.vocab import build_mapping, coverage, effective_draft_vocab, write_speculators_mapping
+from eagledata.extract.base import ExtractionError
 
 log = logging.getLogger("eagledata.export.speculators")
 
@@ -37,43 +44,74 @@ def speculators_path(sample: int) -> str:
     return f"hidden_states/hs_{sample}.safetensors"
 
 
-def export_speculators(hidden_dir: str | Path, out_dir: str | Path, *, work_dir: str | Path | None = None) -> dict[str, Any]:
-    """Write vLLM speculators' layout (module docstring). Returns the export metadata."""
+def speculators_tensors(s: Sample, dtype: Any) -> dict[str, Any]:
+    """The ``hs_{i}.safetensors`` tensors of one sample (module docstring)."""
     import torch
+
+    hs = torch.cat([s.aux.to(dtype), s.final.to(dtype).unsqueeze(1)], dim=1).contiguous()
+    return {"token_ids": s.input_ids.to(torch.int64).contiguous(), "hidden_states": hs}
+
+
+def save_dataset(target: Path, hidden_dir: Path, rows: dict[str, list]) -> None:
+    """The ``datasets`` directory (``input_ids``, ``loss_mask``, ``seq_len``; torch format) in ``target``,
+    row ``i`` = sample ``i``."""
+    import datasets
+    from safetensors import safe_open
+
+    from eagledata.extract.storage import read_index
+
+    index = read_index(hidden_dir).sort("sample")
+    if index["sample"].to_list() != rows["sample"]:
+        raise ExtractionError("speculators dataset rows are not in hs_{i} order")
+    ids, masks = [], []
+    for (shard,), part in index.group_by("shard", maintain_order=True):
+        with safe_open(str(hidden_dir / shard), "pt") as f:
+            all_ids, all_mask = f.get_tensor("input_ids"), f.get_tensor("loss_mask")
+        for a, n in zip(part["offset"].to_list(), part["length"].to_list()):
+            ids.append(all_ids[a : a + n].tolist())
+            masks.append(all_mask[a : a + n].to(dtype=all_ids.dtype).tolist())
+    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),
+                                  "loss_mask": datasets.Sequence(datasets.Value("int64")),
+                                  "seq_len": datasets.Value("int64")})
+    ds = datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": masks, "seq_len": [len(x) for x in ids]},
+                                    features=features)
+    ds.set_format("torch")
+    ds.save_to_disk(str(target))
+
+
+def export_speculators(hidden_dir: str | Path, out_dir: str | Path, *, dtype: str = "bfloat16",
+                       draft_vocab_size: int = 32000, work_dir: str | Path | None = None,
+                       store_dir: str | Path | None = None) -> dict[str, Any]:
+    """Write vLLM speculators' data directory (module docstring). Returns the export metadata."""
     from safetensors.torch import save_file
 
     hidden_dir, out_dir = Path(hidden_dir), Path(out_dir)
     manifest = read_hidden_manifest(hidden_dir)
-    require_final_norm(manifest, hidden_dir, "before", "speculators",
-                        "vLLM captures it as aux id L = the last layer's output", "speculators")
-    target = prepare_target(out_dir, Path(work_dir) if work_dir else None, source_key(hidden_dir, "speculators", {}))
-    rows: dict[str, list] = {"sample": [], "id": [], "file": [], "tokens": [], "shard": [],
-                             "seq_len": [], "input_ids": [], "loss_mask": []}
-    tokens = 0
-    for s in iter_samples(hidden_dir):
-        rel = speculators_path(s.sample)
-        path = target / rel
-        t = s.aux.shape[0]
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            hs = torch.cat([s.aux, s.final.unsqueeze(1)], dim=1).contiguous()
-            with atomic_path(path) as tmp:
-                save_file({"token_ids": s.input_ids.to(torch.int64).contiguous(), "hidden_states": hs}, str(tmp))
-        rows["sample"].append(s.sample)
-        rows["id"].append(s.id)
-        rows["file"].append(rel)
-        rows["tokens"].append(t)
-        rows["shard"].append(s.shard)
-        rows["seq_len"].append(t)
-        rows["input_ids"].append(s.input_ids.tolist())
-        rows["loss_mask"].append(s.loss_mask.tolist())
-        tokens += t
+    tdtype = check_export_dtype(dtype, "speculators_dtype")
+    draft = effective_draft_vocab(draft_vocab_size, manifest["vocab_size"])
+    work = Path(work_dir) if work_dir else None
+    store = ShardStore(Path(store_dir) if store_dir else out_dir.parent / f"{out_dir.name}.store", "speculators",
+                       {"dtype": dtype})
+    target = fresh_target(out_dir, work)
+    built = assemble(hidden_dir, manifest, target, store,
+                     lambda path, s, _shard: save_file(speculators_tensors(s, tdtype), str(path)),
+                     speculators_path, lambda row: f"hs_{row}.safetensors")
+    save_dataset(target, hidden_dir, built.rows)
+    d2t, t2d = build_mapping(built.counts, draft)
     layers = manifest["layers"]
-    meta = common_meta(manifest, hidden_dir, "speculators", len(rows["sample"]), tokens)
+    meta = common_meta(manifest, hidden_dir, "speculators", len(built.rows["sample"]), built.tokens, dtype)
     meta.update({
-        "layout": f"hidden_states/hs_{{sample}}.safetensors: token_ids [T] int64, hidden_states [T, {len(layers) + 1}, H] "
-                  f"({manifest['dtype']}) = aux layers {layers} (output of layer i), then the final state before the norm",
-        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in layers] + [int(manifest["num_layers"])],
+        "layout": f"datasets directory (input_ids, loss_mask, seq_len; torch format) + hidden_states/hs_{{sample}}"
+                  f".safetensors: token_ids [T] int64, hidden_states [T, {len(layers) + 1}, H] ({dtype}) = aux "
+                  f"layers {layers} (output of layer i), then the final state before the norm",
+        "final_state": "before the final norm (hidden_states[:, -1]; the trainer applies the verifier's norm)",
+        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in layers],
+        "vocab_mapping": write_speculators_mapping(target, built.counts, d2t, t2d),
+        "draft_vocab_size": draft,
+        "draft_vocab_size_requested": draft_vocab_size,
+        "draft_vocab_coverage": coverage(built.counts, t2d),
+        "shards_written": built.written,
     })
-    log.info("speculators export %s: %d samples, %d tokens", out_dir, meta["samples"], tokens)
-    return finish(target, out_dir, Path(work_dir) if work_dir else None, rows, meta)
+    log.info("speculators export %s: %d samples, %d tokens, %d of %d shards written", out_dir, meta["samples"],
+             built.tokens, built.written, len(manifest["shards"]))
+    return finish(target, out_dir, work, built.rows, meta)

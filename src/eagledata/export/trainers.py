@@ -2,15 +2,17 @@
 the registry :data:`EXPORTERS` (trainer name -> export function) the workflow's export rule uses.
 
 * :mod:`eagledata.export.specforge`: SpecForge's offline ``rows_{g}-{g_end}/data_{i}.ckpt``
-  (needs ``final_norm: after``);
-* :mod:`eagledata.export.speculators`: vLLM speculators' ``hidden_states/hs_{i}.safetensors`` plus
-  its dataset columns in ``mapping.parquet`` (needs ``final_norm: before``).
+  (final state after the norm, derived from the stored pre-norm state) and ``vocab_mapping.pt``;
+* :mod:`eagledata.export.speculators`: vLLM speculators' saved ``datasets`` directory with
+  ``hidden_states/hs_{i}.safetensors`` (final state before the norm), ``d2t.npy``, ``t2d.npy``,
+  ``token_freq.pt``.
 
-Both write ``mapping.parquet`` (``sample``, ``id``, ``file``, ``tokens``, ``shard``; speculators adds
-its dataset columns) and ``export.json`` (source manifest sha256, layers in our and the trainer's
-numbering, dtype, counts). Files are written to ``*.tmp-PID`` and renamed; with ``work_dir``
-everything goes there first and is renamed onto ``out_dir`` at the end, and a rerun over the same
-source keeps the files already written (:mod:`eagledata.export.common`).
+Both read one extraction, write in their own dtype (``export.{trainer}_dtype``, bf16 by default),
+write ``mapping.parquet`` (``sample``, ``id``, ``file``, ``tokens``, ``shard``) and ``export.json``
+(source manifest sha256, layers in our and the trainer's numbering, dtype, counts, draft vocabulary).
+Trainer files are written per hidden shard into ``{out}.store`` (a rerun rewrites only changed
+shards) and hard-linked into the layout; with ``work_dir`` the layout is assembled there and renamed
+onto ``out_dir`` at the end (:mod:`eagledata.export.common`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ from eagledata.errors import EagledataError
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-FINAL_NORM_CHOICES = ("after", "before")
 DTYPES = ("float32", "bfloat16", "float16")
 BACKENDS = ("hf", "sglang")
 
@@ -22,10 +21,13 @@ class ExtractionError(EagledataError):
     """Extraction cannot proceed without producing wrong data (bad input, bad settings)."""
 
 
-def check_final_norm(final_norm: str) -> None:
-    """Raise :class:`ExtractionError` unless ``final_norm`` is one of :data:`FINAL_NORM_CHOICES`."""
-    if final_norm not in FINAL_NORM_CHOICES:
-        raise ExtractionError(f"final_norm must be one of {FINAL_NORM_CHOICES}, got {final_norm!r}")
+def refuse_final_norm_setting(final_norm: object) -> None:
+    """Raise :class:`ExtractionError` for the removed ``final_norm`` setting (any value but ``None``)."""
+    if final_norm is not None:
+        raise ExtractionError(
+            f"extraction.final_norm ({final_norm!r}) was removed: every extraction stores the final hidden state "
+            "BEFORE the final norm together with the norm's weight and epsilon, and the SpecForge export derives "
+            "the after-norm state from them (vLLM speculators reads the before-norm one); delete the key")
 
 
 def torch_dtype(name: str) -> "torch.dtype":
@@ -58,14 +60,15 @@ class ExtractionBackend:
     ``forward(seqs, out_dtype)`` takes 1-D int64 CPU tensors (one per sample, unpadded) and returns,
     per sample and in order, ``(aux, final)`` on the CPU in ``out_dtype``: ``aux`` [T, len(layers), H]
     with ``aux[:, j]`` the output of decoder layer ``layers[j]`` (0-based), ``final`` [T, H] the
-    final state after (``final_norm="after"``) or before (``"before"``) the model's final norm."""
+    last decoder layer's output BEFORE the model's final norm. ``final_norm`` is that norm's
+    :class:`~eagledata.extract.norm.FinalNorm` (weight, eps), stored with the shards."""
 
     name = "base"
     num_layers: int
     hidden_size: int
     vocab_size: int
     layers: list[int]
-    final_norm: str
+    final_norm: Any  # eagledata.extract.norm.FinalNorm
     compute_dtype: str = "auto"
 
     def forward(self, seqs: Sequence["torch.Tensor"], out_dtype: "torch.dtype") -> list[tuple["torch.Tensor", "torch.Tensor"]]:

@@ -9,10 +9,12 @@ Layer convention (the classic off-by-one, pinned by tests against forward hooks)
   Default ``[1, L//2 - 1, L - 4]``: ``[1, 29, 57]`` for L = 61 (HF/SGLang/vLLM ``[2, 30, 58]``).
   Exception: asking for ``i = L - 1`` gives that layer's raw output, whereas HF's last entry
   ``hidden_states[L]`` is the final-norm output.
-* ``final_norm="after"``: ``hidden_state`` is the output of the model's final norm (HF
-  ``hidden_states[-1]``; SpecForge's convention: its trainer applies only ``lm_head``).
-  ``"before"``: the raw output of the last decoder layer (vLLM speculators' convention: vLLM aux id
-  ``L``); HF's ``hidden_states`` never contains it, so it is taken with a hook.
+* ``hidden_state`` is the raw output of the last decoder layer, BEFORE the final norm (vLLM
+  speculators' convention: vLLM aux id ``L``; HF's ``hidden_states`` never contains it, so it is
+  taken with a hook). The norm's weight (``final_norm_weight``, float32) and epsilon
+  (``final_norm_eps``) are stored with it, so one extraction serves both trainers: the SpecForge
+  export derives the after-norm state (its trainer applies only ``lm_head``) with
+  :func:`eagledata.extract.norm.apply_final_norm`.
 
 Backends (:class:`~eagledata.extract.base.ExtractionBackend`): :class:`~eagledata.extract.hf.HFBackend`
 (any HF causal LM, device_map across the job's GPUs, no LM head / logits), and
@@ -24,9 +26,11 @@ Output (one safetensors file per token shard, token-major; S samples, N tokens i
 
 * ``input_ids`` [N] int64, ``loss_mask`` [N] int8 (1 on completion positions, index >=
   ``prompt_len``), ``aux_hidden_states`` [N, n_layers, H] and ``hidden_state`` [N, H] in the target
-  dtype, ``sample_offsets`` [S + 1] int64 (sample k is rows ``offsets[k]:offsets[k+1]``);
+  dtype, ``sample_offsets`` [S + 1] int64 (sample k is rows ``offsets[k]:offsets[k+1]``),
+  ``final_norm_weight`` [H] float32;
 * string metadata: ``sample_ids`` (JSON list), ``layers`` (JSON list), ``layer_semantics``,
-  ``final_norm``, ``dtype``, ``compute_dtype``, ``backend``, ``model_path``, ``model_fingerprint``,
+  ``final_norm`` (``before``), ``final_norm_kind`` (``rmsnorm``), ``final_norm_eps``, ``vocab_size``,
+  ``dtype``, ``compute_dtype``, ``backend``, ``model_path``, ``model_fingerprint``,
   ``tokenizer_fingerprint``, ``source_file``, ``source_sha256``, ``samples``, ``tokens``,
   ``hidden_size``, ``num_layers``, ``format``.
 
@@ -59,12 +63,13 @@ from eagledata.extract.base import (
     BACKENDS,
     ExtractionBackend,
     ExtractionError,
-    check_final_norm,
+    refuse_final_norm_setting,
     text_config,
     torch_dtype,
 )
 from eagledata.extract.hf import HFBackend, as_backend, load_model
 from eagledata.extract.layers import layer_semantics, resolve_layers
+from eagledata.extract.norm import FINAL_STORED, NORM_FORMULA, NORM_KIND
 from eagledata.extract.storage import (
     FORMAT,
     RESUME_KEYS,
@@ -112,7 +117,7 @@ def plan_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
 # --------------------------------------------------------------------------- one shard
 
 
-def shard_metadata(shard: TokenShard, src: Path, backend: ExtractionBackend, *, final_norm: str, dtype: str,
+def shard_metadata(shard: TokenShard, src: Path, backend: ExtractionBackend, *, dtype: str,
                    compute_dtype: str, model_path: str, model_fp: str, tokenizer_fingerprint: str,
                    source_sha256: str) -> dict[str, str]:
     """The string metadata written into an output shard's header (see the module docstring)."""
@@ -121,8 +126,11 @@ def shard_metadata(shard: TokenShard, src: Path, backend: ExtractionBackend, *, 
         "format": FORMAT,
         "sample_ids": json.dumps(shard.ids, ensure_ascii=False),
         "layers": json.dumps(layers),
-        "layer_semantics": layer_semantics(layers, final_norm),
-        "final_norm": final_norm,
+        "layer_semantics": layer_semantics(layers),
+        "final_norm": FINAL_STORED,
+        "final_norm_kind": NORM_KIND,
+        "final_norm_eps": repr(float(backend.final_norm.eps)),
+        "vocab_size": str(backend.vocab_size),
         "dtype": dtype,
         "compute_dtype": compute_dtype,
         "backend": backend.name,
@@ -155,6 +163,7 @@ def _fill_shard(writer: SafetensorsStreamWriter, shard: TokenShard, backend: Ext
     writer.write_rows("input_ids", 0, torch.from_numpy(shard.input_ids))
     writer.write_rows("loss_mask", 0, torch.from_numpy(loss_mask_for(shard.prompt_lens, shard.offsets)))
     writer.write_rows("sample_offsets", 0, torch.from_numpy(shard.offsets))
+    writer.write_rows("final_norm_weight", 0, backend.final_norm.weight.to(torch.float32))
     bg = BackgroundWriter(writer)
     fwd_s = 0.0
     all_ids = torch.from_numpy(shard.input_ids)
@@ -183,7 +192,6 @@ def extract_shard(
     dst: str | Path,
     *,
     layers: Sequence[int] | None = None,
-    final_norm: str = "after",
     dtype: str = "bfloat16",
     batch_tokens: int = 8192,
     source_sha256: str | None = None,
@@ -202,14 +210,14 @@ def extract_shard(
     free disk space is checked against the shard's exact size (+ ``reserve_disk_bytes``). Returns
     per-shard stats (samples, tokens, seconds, forward_seconds, tokens_per_s)."""
     src, dst = Path(src), Path(dst)
-    backend = as_backend(model, layers, final_norm, compute_dtype)
+    backend = as_backend(model, layers, compute_dtype)
     out_dtype = torch_dtype(dtype)
     source_sha256 = source_sha256 or sha256_file(src)
     t0 = time.perf_counter()
     shard = read_token_shard(src)
     _check_vocab(shard, src, backend.vocab_size)
     n, s, h, nl = int(shard.offsets[-1]), len(shard.ids), backend.hidden_size, len(backend.layers)
-    meta = shard_metadata(shard, src, backend, final_norm=final_norm, dtype=dtype, compute_dtype=compute_dtype,
+    meta = shard_metadata(shard, src, backend, dtype=dtype, compute_dtype=compute_dtype,
                           model_path=model_path, model_fp=model_fp, tokenizer_fingerprint=tokenizer_fingerprint,
                           source_sha256=source_sha256)
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -246,16 +254,16 @@ def extract_shard(
 # --------------------------------------------------------------------------- dataset
 
 
-def make_backend(kind: str, weights: str | Path, layers: Sequence[int] | None, final_norm: str,
+def make_backend(kind: str, weights: str | Path, layers: Sequence[int] | None,
                  compute_dtype: str = "auto", device: str = "auto", **options: Any) -> ExtractionBackend:
     """Load the model behind backend ``kind`` (``"hf"`` or ``"sglang"``). ``options`` go to the
     SGLang backend (``tp_size``, ``mem_fraction_static``, ``server_args``)."""
     if kind == "hf":
-        return HFBackend(load_model(weights, compute_dtype, device), layers, final_norm, compute_dtype)
+        return HFBackend(load_model(weights, compute_dtype, device), layers, compute_dtype)
     if kind == "sglang":
         from eagledata.extract.sglang import SGLangBackend
 
-        return SGLangBackend.launch(weights, layers, final_norm, compute_dtype=compute_dtype, **options)
+        return SGLangBackend.launch(weights, layers, compute_dtype=compute_dtype, **options)
     raise ExtractionError(f"extraction backend must be one of {BACKENDS}, got {kind!r}")
 
 
@@ -263,9 +271,8 @@ def make_backend(kind: str, weights: str | Path, layers: Sequence[int] | None, f
 # --------------------------------------------------------------------------- the dataset
 
 
-def check_settings(final_norm: str, backend: str, dtype: str, compute_dtype: str, batch_tokens: int) -> None:
+def check_settings(backend: str, dtype: str, compute_dtype: str, batch_tokens: int) -> None:
     """Raise :class:`ExtractionError` for a setting no extraction can run with (before any work)."""
-    check_final_norm(final_norm)
     if backend not in BACKENDS:
         raise ExtractionError(f"extraction backend must be one of {BACKENDS}, got {backend!r}")
     torch_dtype(dtype)
@@ -284,7 +291,6 @@ class DatasetRun:
     weights: str | Path
     tokens_manifest: dict[str, Any]
     layers: list[int]
-    final_norm: str
     dtype: str
     compute_dtype: str
     backend: str
@@ -295,12 +301,13 @@ class DatasetRun:
 
     def resume_keys(self, source_sha256: str) -> dict[str, str]:
         """The metadata an existing output shard must carry to be kept (:data:`RESUME_KEYS`)."""
-        values = {"format": FORMAT, "layers": json.dumps(self.layers), "final_norm": self.final_norm,
+        values = {"format": FORMAT, "layers": json.dumps(self.layers),
                   "dtype": self.dtype, "compute_dtype": self.compute_dtype, "model_fingerprint": self.model_fp,
                   "source_sha256": source_sha256}
         return {k: values[k] for k in RESUME_KEYS}
 
-    def manifest(self, shards_out: list[dict[str, Any]], complete: bool) -> dict[str, Any]:
+    def manifest(self, shards_out: list[dict[str, Any]], complete: bool, norm_eps: float | None = None,
+                 vocab_size: int | None = None) -> dict[str, Any]:
         """The output ``manifest.json`` (``complete: false`` while shards are still being written)."""
         layers, hidden, dtype = self.layers, self.hidden, self.dtype
         return {
@@ -311,8 +318,10 @@ class DatasetRun:
             "tokens": sum(s["tokens"] for s in shards_out),
             "samples": sum(s["samples"] for s in shards_out),
             "layers": layers,
-            "layer_semantics": layer_semantics(layers, self.final_norm),
-            "final_norm": self.final_norm,
+            "layer_semantics": layer_semantics(layers),
+            "final_norm": {"stored": FINAL_STORED, "kind": NORM_KIND, "eps": norm_eps, "weight": "final_norm_weight",
+                           "formula": NORM_FORMULA},
+            "vocab_size": vocab_size,
             "dtype": dtype,
             "compute_dtype": self.compute_dtype,
             "backend": self.backend,
@@ -326,8 +335,9 @@ class DatasetRun:
                 "input_ids": "[N] int64",
                 "loss_mask": "[N] int8, 1 on completion tokens",
                 "aux_hidden_states": f"[N, {len(layers)}, {hidden}] {dtype}",
-                "hidden_state": f"[N, {hidden}] {dtype}",
+                "hidden_state": f"[N, {hidden}] {dtype}, before the final norm",
                 "sample_offsets": "[S+1] int64",
+                "final_norm_weight": f"[{hidden}] float32",
             },
         }
 
@@ -346,12 +356,12 @@ class LazyBackend:
         if self.backend is None:
             r = self.run
             if self.model is not None:
-                self.backend = as_backend(self.model, r.layers, r.final_norm, r.compute_dtype)
+                self.backend = as_backend(self.model, r.layers, r.compute_dtype)
             else:
                 log.info("loading model %s (backend %s, device %s, compute dtype %s)",
                          r.weights, r.backend, self.device, r.compute_dtype)
-                self.backend = make_backend(r.backend, r.weights, r.layers, r.final_norm, r.compute_dtype,
-                                            self.device, **self.options)
+                self.backend = make_backend(r.backend, r.weights, r.layers, r.compute_dtype, self.device,
+                                            **self.options)
                 self.owned = True
         return self.backend
 
@@ -384,11 +394,21 @@ def _one_shard(run: DatasetRun, entry: dict[str, Any], runner: LazyBackend, batc
         return {"file": dst.name, "source": src.name, "source_sha256": entry["sha256"],
                 "samples": int(meta["samples"]), "tokens": int(meta["tokens"]), "resumed": True}
     return extract_shard(
-        runner.get(), src, dst, layers=run.layers, final_norm=run.final_norm, dtype=run.dtype,
+        runner.get(), src, dst, layers=run.layers, dtype=run.dtype,
         batch_tokens=batch_tokens, source_sha256=entry["sha256"], tokenizer_fingerprint=run.tokenizer_fp,
         model_path=str(run.weights), model_fp=run.model_fp, compute_dtype=run.compute_dtype,
         reserve_disk_bytes=reserve_disk_bytes,
     )
+
+
+def _norm_facts(shard: Path, seen: dict[str, Any]) -> dict[str, Any]:
+    """``{"norm_eps", "vocab_size"}`` from a written shard's metadata; raise when they differ from
+    those of the shards before it (one model per dataset)."""
+    meta = read_shard_metadata(shard) or {}
+    facts = {"norm_eps": float(meta["final_norm_eps"]), "vocab_size": int(meta["vocab_size"])}
+    if seen and seen != facts:
+        raise ExtractionError(f"{shard.name}: final norm eps / vocab size {facts} differ from earlier shards' {seen}")
+    return facts
 
 
 def _remove_stale(target: Path, shards_out: list[dict[str, Any]]) -> None:
@@ -404,7 +424,6 @@ def extract_dataset(
     out_dir: str | Path,
     weights: str | Path,
     layers: Sequence[int] | None = None,
-    final_norm: str = "after",
     dtype: str = "bfloat16",
     device: str = "auto",
     batch_tokens: int = 8192,
@@ -415,6 +434,7 @@ def extract_dataset(
     backend: str = "hf",
     backend_options: dict[str, Any] | None = None,
     reserve_disk_bytes: int = 0,
+    final_norm: Any = None,
 ) -> dict[str, Any]:
     """Extract every shard of ``tokens_dir/manifest.json`` into ``out_dir``; write
     ``index.parquet`` and ``manifest.json`` there. Returns the manifest.
@@ -423,7 +443,7 @@ def extract_dataset(
     * The model is loaded once (:func:`make_backend`; ``model`` may be passed in instead: a HF
       model or an :class:`ExtractionBackend`), and not at all when every output shard is done.
     * Resume: an existing output shard whose metadata matches on :data:`RESUME_KEYS` (source
-      sha256, layers, final_norm, dtype, compute dtype, model fingerprint) is kept untouched. After
+      sha256, layers, dtype, compute dtype, model fingerprint) is kept untouched. After
       each shard ``manifest.json`` is rewritten (``"complete": false``) so a resumed run reuses the
       sha256 of finished shards; leftover ``*.tmp-PID`` files of a killed run are removed.
     * Files in the output directory that belong to no current shard are removed.
@@ -431,23 +451,27 @@ def extract_dataset(
       failed job's declared outputs: an undeclared ``work_dir`` survives for the next try).
     * ``compute_dtype``: dtype the model runs in; ``"auto"`` = the checkpoint's. Outputs are cast to
       ``dtype``.
+    * ``final_norm``: the removed setting; anything but ``None`` is refused with a message (the
+      final state is always stored before the norm, with the norm's weight and eps).
     """
-    check_settings(final_norm, backend, dtype, compute_dtype, batch_tokens)
+    refuse_final_norm_setting(final_norm)
+    check_settings(backend, dtype, compute_dtype, batch_tokens)
     tokens_dir, out_dir = Path(tokens_dir), Path(out_dir)
     target = Path(work_dir) if work_dir is not None else out_dir
     target.mkdir(parents=True, exist_ok=True)
     tmanifest = read_tokens_manifest(tokens_dir, verify=True)
     cfg = text_config(weights)
     num_layers = int(cfg.num_hidden_layers)
-    run = DatasetRun(tokens_dir, target, weights, tmanifest, resolve_layers(layers, num_layers), final_norm, dtype,
+    run = DatasetRun(tokens_dir, target, weights, tmanifest, resolve_layers(layers, num_layers), dtype,
                      compute_dtype, backend, num_layers, int(cfg.hidden_size), model_fingerprint(weights),
                      str(tmanifest.get("tokenizer_fingerprint", "")))
-    log.info("extracting %s -> %s: backend %s, layers %s, final_norm %s, dtype %s, model %s",
-             tokens_dir, out_dir, backend, run.layers, final_norm, dtype, weights)
+    log.info("extracting %s -> %s: backend %s, layers %s (final state before the norm), dtype %s, model %s",
+             tokens_dir, out_dir, backend, run.layers, dtype, weights)
     previous = _clear_leftovers(target)
     shards_out: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     runner = LazyBackend(run, model, device, backend_options)
+    norm: dict[str, Any] = {}
     try:
         for entry in tmanifest.get("shards", []):
             stats = _one_shard(run, entry, runner, batch_tokens, reserve_disk_bytes)
@@ -457,12 +481,13 @@ def extract_dataset(
             stats["mtime_ns"] = st.st_mtime_ns
             stats["sha256"] = shard_sha256(dst, previous)
             shards_out.append(stats)
-            write_manifest(target / "manifest.json", run.manifest(shards_out, False))
+            norm = _norm_facts(dst, norm)
+            write_manifest(target / "manifest.json", run.manifest(shards_out, False, **norm))
     finally:
         runner.close()
     _remove_stale(target, shards_out)
     write_index(target / "index.parquet", shards_out, target)
-    manifest = run.manifest(shards_out, True)
+    manifest = run.manifest(shards_out, True, **norm)
     write_manifest(target / "manifest.json", manifest)
     if work_dir is not None:
         publish_dir(target, out_dir)

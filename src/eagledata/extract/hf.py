@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any, Sequence
 from eagledata.extract.base import (
     ExtractionBackend,
     ExtractionError,
-    check_final_norm,
     check_weights_dir,
     torch_dtype,
 )
 from eagledata.extract.layers import resolve_layers
+from eagledata.extract.norm import check_rms_norm, final_norm_of
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -99,18 +99,17 @@ def forward_hidden(
     input_ids: "torch.Tensor",
     attention_mask: "torch.Tensor | None",
     layers: Sequence[int],
-    final_norm: str = "after",
 ) -> tuple["torch.Tensor", "torch.Tensor"]:
     """One forward of the base model (no logits), capturing with forward hooks.
 
     Returns ``aux`` [B, T, len(layers), H] (output of decoder layer ``layers[j]``) and ``final``
-    [B, T, H] (final-norm output for ``"after"``, raw last-layer output for ``"before"``), in the
-    model's dtype, on the device of the final state."""
+    [B, T, H] (the last decoder layer's raw output, BEFORE the final norm: HF's
+    ``hidden_states[-1]`` is the norm's output and never holds it), in the model's dtype, on the
+    device of the final state."""
     import torch
 
-    check_final_norm(final_norm)
     last = decoder.num_layers - 1
-    wanted = set(layers) | ({last} if final_norm == "before" else set())
+    wanted = set(layers) | {last}
     captured: dict[int, torch.Tensor] = {}
 
     def hook_for(i: int):
@@ -129,7 +128,8 @@ def forward_hidden(
     missing = wanted - captured.keys()
     if missing:
         raise ExtractionError(f"forward hooks did not fire for layers {sorted(missing)}")
-    final = out.last_hidden_state if final_norm == "after" else captured[last]
+    del out  # the norm's output (last_hidden_state) is derived at export time
+    final = captured[last]
     aux = torch.stack([captured[i].to(final.device) for i in layers], dim=2)
     return aux, final
 
@@ -138,20 +138,20 @@ class HFBackend(ExtractionBackend):
     """A loaded Hugging Face model (any wrapper :func:`find_decoder` understands), run as the base
     decoder only: the LM head never runs, so no logits are computed. Layers are captured with
     forward hooks; padded batches are cast to ``out_dtype`` on the device and copied to the CPU
-    once per batch."""
+    once per batch. ``final_norm`` is read from the decoder's norm module and checked against the
+    RMSNorm formula (:func:`~eagledata.extract.norm.check_rms_norm`)."""
 
     name = "hf"
 
-    def __init__(self, model: Any, layers: Sequence[int] | None = None, final_norm: str = "after",
-                 compute_dtype: str = "auto"):
-        check_final_norm(final_norm)
+    def __init__(self, model: Any, layers: Sequence[int] | None = None, compute_dtype: str = "auto"):
         self.model = model
         self.decoder = find_decoder(model)
         self.num_layers = self.decoder.num_layers
         self.hidden_size = self.decoder.hidden_size
         self.vocab_size = int(self.decoder.module.get_input_embeddings().num_embeddings)
         self.layers = resolve_layers(layers, self.num_layers)
-        self.final_norm = final_norm
+        self.final_norm = final_norm_of(self.decoder.norm)
+        check_rms_norm(self.decoder.norm, self.final_norm)
         self.compute_dtype = compute_dtype
 
     def forward(self, seqs, out_dtype):
@@ -165,7 +165,7 @@ class HFBackend(ExtractionBackend):
         for b, s in enumerate(seqs):
             ids[b, : lens[b]] = s
             mask[b, : lens[b]] = 1
-        aux, final = forward_hidden(self.decoder, ids.to(dev), mask.to(dev), self.layers, self.final_norm)
+        aux, final = forward_hidden(self.decoder, ids.to(dev), mask.to(dev), self.layers)
         aux = aux.to(out_dtype).to("cpu")
         final = final.to(out_dtype).to("cpu")
         return [(aux[b, : lens[b]], final[b, : lens[b]]) for b in range(len(seqs))]
@@ -174,13 +174,11 @@ class HFBackend(ExtractionBackend):
         self.model = None
 
 
-def as_backend(model: Any, layers: Sequence[int] | None, final_norm: str, compute_dtype: str = "auto") -> ExtractionBackend:
-    """``model`` itself when it is a backend (its layers and final_norm must match), else an
-    :class:`HFBackend` around it."""
+def as_backend(model: Any, layers: Sequence[int] | None, compute_dtype: str = "auto") -> ExtractionBackend:
+    """``model`` itself when it is a backend (its layers must match), else an :class:`HFBackend`
+    around it."""
     if isinstance(model, ExtractionBackend):
         if layers is not None and list(layers) != list(model.layers):
             raise ExtractionError(f"backend captures layers {model.layers}, extraction asked for {list(layers)}")
-        if final_norm != model.final_norm:
-            raise ExtractionError(f"backend final_norm {model.final_norm!r} != requested {final_norm!r}")
         return model
-    return HFBackend(model, layers, final_norm, compute_dtype)
+    return HFBackend(model, layers, compute_dtype)

@@ -37,18 +37,16 @@ def resolve_layers(layers: Sequence[int] | None, num_layers: int) -> list[int]:
     return out
 
 
-def layer_semantics(layers: Sequence[int], final_norm: str) -> str:
+def layer_semantics(layers: Sequence[int]) -> str:
     """Human-readable statement of what the stored tensors are (written into every shard)."""
     hf = [i + 1 for i in layers]
-    final = (
-        "hidden_state is the output of the model's final norm (HF output_hidden_states[-1]; SpecForge convention)"
-        if final_norm == "after"
-        else "hidden_state is the raw output of the last decoder layer, BEFORE the final norm "
-        "(vLLM speculators convention; not in HF output_hidden_states)"
-    )
     return (
         f"aux_hidden_states[:, j, :] is the output of decoder layer layers[j] (0-based) for layers={list(layers)}; "
-        f"= HF output_hidden_states{hf} (index 0 = embeddings) = SGLang/vLLM aux layer ids {hf}. {final}."
+        f"= HF output_hidden_states{hf} (index 0 = embeddings) = SGLang/vLLM aux layer ids {hf}. hidden_state is "
+        "the raw output of the last decoder layer, BEFORE the final norm (vLLM speculators' convention; not in HF "
+        "output_hidden_states); final_norm_weight and the metadata's final_norm_eps give the norm "
+        "(x * rsqrt(mean(x^2) + eps) * weight in float32), whose output is SpecForge's hidden_state "
+        "(HF output_hidden_states[-1])."
     )
 
 

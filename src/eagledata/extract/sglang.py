@@ -16,10 +16,11 @@ Layer semantics, the shared contract with :class:`eagledata.extract.hf.HFBackend
   the captured ids are :func:`sglang_capture_ids` (``[2, 30, 58]`` for K2.5's ``[1, 29, 57]``).
 * the aux states come back concatenated along the last dim, ``[N, len(layers) * H]`` in capture
   order (:func:`split_outputs` turns them into our ``[T, len(layers), H]``);
-* ``final_norm="after"``: the ``hidden_states`` the model hands to its logits processor, i.e. the
-  final norm's output. ``"before"``: taken by a forward pre-hook on the model's final norm module
-  (SGLang's fused add-RMSNorm receives ``(hidden_states, residual)``: the residual stream is their
-  sum).
+* the final state is stored BEFORE the final norm: taken by a forward pre-hook on the model's
+  final norm module (SGLang's fused add-RMSNorm receives ``(hidden_states, residual)``: the
+  residual stream is their sum). The norm's weight and epsilon come back from rank 0 when it is
+  ready (RMSNorm weights are replicated across tensor-parallel ranks), so the export can derive
+  the after-norm state (:mod:`eagledata.extract.norm`).
 * no logits: SGLang's ``LogitsProcessor`` modules are replaced by :class:`CaptureOnly`, which
   returns the captured states and never multiplies by the LM head.
 
@@ -39,8 +40,9 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from eagledata.extract.base import ExtractionBackend, ExtractionError, check_final_norm, text_config, torch_dtype
+from eagledata.extract.base import ExtractionBackend, ExtractionError, text_config, torch_dtype
 from eagledata.extract.layers import resolve_layers
+from eagledata.extract.norm import FinalNorm, final_norm_of
 
 log = logging.getLogger("eagledata.extract.sglang")
 
@@ -130,7 +132,7 @@ def _find_final_norm(model: Any) -> Any:
 class _RankState:
     """One tensor-parallel rank: a loaded SGLang ``ModelRunner`` set up for capture."""
 
-    def __init__(self, server_kwargs: dict[str, Any], port_args: Any, rank: int, layers: list[int], final_norm: str):
+    def __init__(self, server_kwargs: dict[str, Any], port_args: Any, rank: int, layers: list[int]):
         import torch
         from sglang.srt.configs.model_config import ModelConfig
         from sglang.srt.layers.logits_processor import LogitsProcessor
@@ -172,14 +174,16 @@ class _RankState:
                                   "it cannot capture aux hidden states (use extraction.backend: hf)")
         model.set_eagle3_layers_to_capture(list(layers))  # SGLang adds 1: captures ids layers[j] + 1
         self.before: list[Any] = []
-        if final_norm == "before":
-            def pre_hook(_module, args, kwargs):
-                x = args[0] if args else kwargs["hidden_states"]
-                residual = args[1] if len(args) > 1 else kwargs.get("residual")
-                self.before.append(x + residual if residual is not None else x)
 
-            _find_final_norm(model).register_forward_pre_hook(pre_hook, with_kwargs=True)
-        self.final_norm = final_norm
+        def pre_hook(_module, args, kwargs):
+            x = args[0] if args else kwargs["hidden_states"]
+            residual = args[1] if len(args) > 1 else kwargs.get("residual")
+            self.before.append(x + residual if residual is not None else x)
+
+        norm = _find_final_norm(model)
+        norm.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        fn = final_norm_of(norm)
+        self.final_norm = (fn.weight, fn.eps)
 
     def extend(self, batch: list[list[int]], out_dtype: str) -> tuple[Any, Any] | None:
         """Prefill ``batch`` (token id lists); returns ``(aux_cat, final)`` on the CPU in
@@ -223,18 +227,21 @@ class _RankState:
             return None
         if not isinstance(captured, Captured) or captured.aux_hidden_states is None:
             raise ExtractionError("SGLang forward returned no aux hidden states (capture not enabled?)")
-        final = captured.last_hidden_states if self.final_norm == "after" else self.before[-1]
+        if not self.before:
+            raise ExtractionError("SGLang forward never reached the final norm (pre-norm state not captured)")
+        final = self.before[-1]
         dt = torch_dtype(out_dtype)
         return captured.aux_hidden_states.to(dt).cpu(), final.to(dt).cpu()
 
 
-def _rank_main(rank: int, server_kwargs: dict[str, Any], port_args: Any, layers: list[int], final_norm: str,
+def _rank_main(rank: int, server_kwargs: dict[str, Any], port_args: Any, layers: list[int],
                inbox: Any, outbox: Any) -> None:  # pragma: no cover - needs GPUs and sglang
-    """Worker process of one TP rank: load, report ready, then serve ``("extend", batch, dtype)``
-    until ``None``. Rank 0 puts results (or the error text) on ``outbox``."""
+    """Worker process of one TP rank: load, report ready (with the final norm's weight and eps),
+    then serve ``("extend", batch, dtype)`` until ``None``. Rank 0 puts results (or the error
+    text) on ``outbox``."""
     try:
-        state = _RankState(server_kwargs, port_args, rank, layers, final_norm)
-        outbox.put(("ready", rank))
+        state = _RankState(server_kwargs, port_args, rank, layers)
+        outbox.put(("ready", (rank, state.final_norm)))
         while True:
             msg = inbox.get()
             if msg is None:
@@ -251,9 +258,10 @@ def _rank_main(rank: int, server_kwargs: dict[str, Any], port_args: Any, layers:
 
 class SGLangEngine:  # pragma: no cover - needs GPUs and sglang
     """``tp_size`` rank processes running :class:`_RankState`; :meth:`extend` sends every rank the
-    same batch (tensor parallel) and returns rank 0's result."""
+    same batch (tensor parallel) and returns rank 0's result; ``final_norm`` is rank 0's final norm
+    (:class:`~eagledata.extract.norm.FinalNorm`)."""
 
-    def __init__(self, weights: str | Path, layers: list[int], final_norm: str, *, tp_size: int = 1,
+    def __init__(self, weights: str | Path, layers: list[int], *, tp_size: int = 1,
                  compute_dtype: str = "auto", mem_fraction_static: float = 0.85, context_length: int | None = None,
                  server_args: dict[str, Any] | None = None, start_timeout_s: float = 3600):
         import torch.multiprocessing as mp
@@ -270,17 +278,21 @@ class SGLangEngine:  # pragma: no cover - needs GPUs and sglang
         ctx = mp.get_context("spawn")
         self._inboxes = [ctx.Queue() for _ in range(tp_size)]
         self._outbox = ctx.Queue()
-        self._procs = [ctx.Process(target=_rank_main, args=(r, kwargs, port_args, layers, final_norm,
+        self._procs = [ctx.Process(target=_rank_main, args=(r, kwargs, port_args, layers,
                                                             self._inboxes[r], self._outbox), daemon=True)
                        for r in range(tp_size)]
         for p in self._procs:
             p.start()
         ready = 0
+        self.final_norm: FinalNorm | None = None
         while ready < tp_size:
             kind, payload = self._outbox.get(timeout=start_timeout_s)
             if kind == "error":
                 self.close()
                 raise ExtractionError(f"SGLang worker failed to start: {payload}")
+            rank, (weight, eps) = payload
+            if rank == 0:
+                self.final_norm = FinalNorm(weight, float(eps))
             ready += 1
 
     def extend(self, batch: list[list[int]], out_dtype: str) -> tuple[Any, Any]:
@@ -306,13 +318,15 @@ class SGLangEngine:  # pragma: no cover - needs GPUs and sglang
 class SGLangBackend(ExtractionBackend):
     """:class:`~eagledata.extract.base.ExtractionBackend` over an engine with
     ``extend(batch: list[list[int]], out_dtype: str) -> (aux_cat [N, n*H], final [N, H])`` in
-    SGLang's output layout (:class:`SGLangEngine` on GPUs; tests pass a fake)."""
+    SGLang's output layout, ``final`` before the final norm, and ``final_norm`` (a
+    :class:`~eagledata.extract.norm.FinalNorm`) (:class:`SGLangEngine` on GPUs; tests pass a fake)."""
 
     name = "sglang"
 
-    def __init__(self, engine: Any, layers: Sequence[int], final_norm: str, num_layers: int, hidden_size: int,
+    def __init__(self, engine: Any, layers: Sequence[int], num_layers: int, hidden_size: int,
                  vocab_size: int, compute_dtype: str = "auto"):
-        check_final_norm(final_norm)
+        if not isinstance(getattr(engine, "final_norm", None), FinalNorm):
+            raise ExtractionError("SGLang engine did not report its final norm (weight, eps)")
         self.engine = engine
         self.num_layers = int(num_layers)
         self.hidden_size = int(hidden_size)
@@ -324,11 +338,11 @@ class SGLangBackend(ExtractionBackend):
                 f"layer {self.num_layers - 1} (the last) cannot be captured as an aux layer by SGLang "
                 f"(capture id {self.num_layers} is past its decoder loop); use layers < {self.num_layers - 1} "
                 "or the hf backend")
-        self.final_norm = final_norm
+        self.final_norm = engine.final_norm
         self.compute_dtype = compute_dtype
 
     @classmethod
-    def launch(cls, weights: str | Path, layers: Sequence[int] | None, final_norm: str, *, compute_dtype: str = "auto",
+    def launch(cls, weights: str | Path, layers: Sequence[int] | None, *, compute_dtype: str = "auto",
                tp_size: int | None = None, **engine_options: Any) -> "SGLangBackend":
         """Start :class:`SGLangEngine` over the job's GPUs (``tp_size`` defaults to the number of
         visible devices, i.e. the claimed ones)."""
@@ -341,9 +355,8 @@ class SGLangBackend(ExtractionBackend):
         if tp_size is None:
             visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
             tp_size = max(1, len([g for g in visible.split(",") if g.strip()]))
-        engine = SGLangEngine(weights, resolved, final_norm, tp_size=tp_size, compute_dtype=compute_dtype,
-                              **engine_options)
-        return cls(engine, resolved, final_norm, num_layers, int(cfg.hidden_size), int(cfg.vocab_size), compute_dtype)
+        engine = SGLangEngine(weights, resolved, tp_size=tp_size, compute_dtype=compute_dtype, **engine_options)
+        return cls(engine, resolved, num_layers, int(cfg.hidden_size), int(cfg.vocab_size), compute_dtype)
 
     def forward(self, seqs, out_dtype):
         lengths = [int(s.numel()) for s in seqs]

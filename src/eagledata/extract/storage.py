@@ -35,7 +35,8 @@ from eagledata.io import atomic_path, atomic_write_json, sha256_file
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-FORMAT = "eagledata-hidden/1"
+#: /2: the final state is stored before the final norm, with the norm's weight and eps (/1 stored either).
+FORMAT = "eagledata-hidden/2"
 #: safetensors dtype codes and item sizes of the dtypes a shard holds.
 ST_CODES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int64": "I64", "int8": "I8"}
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int8": 1}
@@ -202,24 +203,26 @@ def read_shard_metadata(path: str | Path) -> dict[str, str] | None:
 
 
 #: Metadata keys that must match for an existing output shard to be reused.
-RESUME_KEYS = ("format", "source_sha256", "layers", "final_norm", "dtype", "compute_dtype", "model_fingerprint")
+RESUME_KEYS = ("format", "source_sha256", "layers", "dtype", "compute_dtype", "model_fingerprint")
 
 
 def shard_specs(n_tokens: int, n_samples: int, n_layers: int, hidden: int, dtype: str) -> list[tuple[str, str, tuple[int, ...]]]:
-    """Tensor layout of one output shard (names, dtypes, shapes)."""
+    """Tensor layout of one output shard (names, dtypes, shapes); ``hidden_state`` is the final
+    state before the final norm, ``final_norm_weight`` that norm's weight (float32)."""
     return [
         ("input_ids", "int64", (n_tokens,)),
         ("loss_mask", "int8", (n_tokens,)),
         ("sample_offsets", "int64", (n_samples + 1,)),
         ("aux_hidden_states", dtype, (n_tokens, n_layers, hidden)),
         ("hidden_state", dtype, (n_tokens, hidden)),
+        ("final_norm_weight", "float32", (hidden,)),
     ]
 
 
 def estimate_shard_bytes(n_tokens: int, n_samples: int, n_layers: int, hidden: int, dtype: str,
                          header_bytes: int = 0) -> int:
-    """Exact data bytes of a shard (tokens x (n_layers + 1) x H x dtype size, plus ids, mask and
-    offsets) plus ``header_bytes``."""
+    """Exact data bytes of a shard (tokens x (n_layers + 1) x H x dtype size, plus ids, mask,
+    offsets and the norm weight) plus ``header_bytes``."""
     return header_bytes + sum(math.prod(shape) * ITEMSIZE[dt] for _, dt, shape in shard_specs(
         n_tokens, n_samples, n_layers, hidden, dtype))
 
