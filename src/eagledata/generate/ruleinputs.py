@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from eagledata.config import DatasetSettings, dataset_settings
-from eagledata.generate.dedup import dataset_option, earlier_datasets
 from eagledata.generate.requests import request_params
 
 
@@ -22,12 +21,10 @@ class GenerateRuleInputs:
         return dataset_settings(self.config, wildcards.dataset)
 
     def prompts(self, wildcards: Any) -> list[str]:
-        """The dataset's prompt file, and (``dedup``) those of the datasets it is deduplicated
-        against (:func:`eagledata.generate.dedup.earlier_datasets`)."""
-        own = [self.settings(wildcards).prompts]
-        if not dataset_option(self.config, wildcards.dataset, "dedup"):
-            return own
-        return own + [self.config["datasets"][d]["prompts"] for d in earlier_datasets(self.config, wildcards.dataset)]
+        """The dataset's own prompt file. The prompt files of the datasets it is deduplicated against
+        are read by the job, not declared: editing an earlier dataset never reruns this one (its
+        answers stand; the job's next run leaves out whatever has become a duplicate)."""
+        return [self.settings(wildcards).prompts]
 
     def tokenizer(self, wildcards: Any) -> Any:
         """The simulator answers with the model's tokenizer, and SGLang's native endpoint is sent
