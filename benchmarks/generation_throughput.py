@@ -48,6 +48,11 @@ def _tokenizer_dir(tmp: Path) -> Path:
     return out
 
 
+def mean_latency_s(args: argparse.Namespace) -> float:
+    """The stand-in's mean latency: ``latency_ms`` plus half the jitter (it adds uniform(0, jitter))."""
+    return (args.latency_ms + args.latency_jitter_ms / 2) / 1000
+
+
 def max_tokens(args: argparse.Namespace) -> int:
     """Room for the longest answer asked of the stand-in (content, reasoning, markup)."""
     return max(256, args.content_tokens[1] + 64)
@@ -87,7 +92,7 @@ def one_round(args: argparse.Namespace, tok: Path, base: str, tmp: Path, stand_i
     stored = sorted(stored_at(json.loads(line)) for line in open(tmp / "cache" / "bench" / "responses.jsonl"))
     n = summary["requested"]
     assert summary["ok"] == n == summary["http_requests"], summary
-    ideal = args.concurrency / (args.latency_ms / 1000)
+    ideal = args.concurrency / mean_latency_s(args)
     lo, hi = len(stored) // 10, len(stored) * 9 // 10
     phase, pcpu = summary["request_phase_s"], summary["request_phase_cpu_s"]
     return {"n": n, "steady": (hi - lo) / (stored[hi] - stored[lo]) / ideal, "phase": n / phase / ideal,
@@ -123,7 +128,7 @@ def bare_round(args: argparse.Namespace, base: str) -> dict:
         c0, w0 = time.process_time(), time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
         wall, cpu = time.perf_counter() - w0, time.process_time() - c0
-        ideal = args.concurrency / (args.latency_ms / 1000)
+        ideal = args.concurrency / mean_latency_s(args)
         lo, hi = n // 10, n * 9 // 10
         return {"steady": (hi - lo) / (done[hi] - done[lo]) / ideal, "phase": n / wall / ideal, "core": cpu / wall,
                 "us_per_request": 1e6 * cpu / n}
@@ -132,7 +137,8 @@ def bare_round(args: argparse.Namespace, base: str) -> dict:
 
 
 #: The real load shape, compressed in time (the target), and the old 50 ms reference shape.
-REAL = {"requests": 6144, "concurrency": 1024, "latency_ms": 3000.0, "latency_jitter_ms": 1000.0,
+# The stand-in waits latency_ms + uniform(0, latency_jitter_ms): 2 s + U(0, 2 s) is 3 s +- 1 s.
+REAL = {"requests": 6144, "concurrency": 1024, "latency_ms": 2000.0, "latency_jitter_ms": 2000.0,
         "content_tokens": [1250, 5000]}
 REFERENCE = {"requests": 8192, "concurrency": 256, "latency_ms": 50.0, "latency_jitter_ms": 0.0, "content_tokens": [8, 24]}
 REAL_REQUESTS_PER_S = 34  # 1,024 in flight at about 30 s mean latency
@@ -144,9 +150,9 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=None, help="default 6144 (reference: 8192)")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=None, help="default 1024 (reference: 256)")
-    ap.add_argument("--latency-ms", type=float, default=None, help="default 3000 (reference: 50)")
+    ap.add_argument("--latency-ms", type=float, default=None, help="the stand-in's fixed latency; default 2000 (reference: 50)")
     ap.add_argument("--latency-jitter-ms", type=float, default=None,
-                    help="the stand-in's latency varies by +- this; default 1000 (reference: 0)")
+                    help="the stand-in adds uniform(0, this) to each latency; default 2000, i.e. 3 s +- 1 s (reference: 0)")
     ap.add_argument("--content-tokens", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
                     help="answer length range (about 4 bytes of body per token): default 1250 5000 = 5-20 KB bodies")
     ap.add_argument("--rounds", type=int, default=1, help="jobs run one after another; the median is the result")
@@ -194,9 +200,9 @@ def main() -> int:
     def span(key: str, fmt: str = ".3f") -> str:
         return f"[{min(r[key] for r in rounds):{fmt}}..{max(r[key] for r in rounds):{fmt}}]"
 
-    ideal = args.concurrency / (args.latency_ms / 1000)
+    ideal = args.concurrency / mean_latency_s(args)
     print(f"\n{rounds[0]['n']} requests per round, {args.rounds} rounds, concurrency {args.concurrency}, latency "
-          f"{args.latency_ms:g} ms ({ideal:,.0f} req/s = concurrency/latency), {'SSE' if args.stream else 'JSON'}, "
+          f"{args.latency_ms:g} ms + U(0, {args.latency_jitter_ms:g} ms) ({ideal:,.0f} req/s = concurrency/latency), {'SSE' if args.stream else 'JSON'}, "
           f"event loop {args.event_loop}; medians [min..max]:")
     target = "no target (reference shape)" if args.reference else "target >= 0.95"
     print(f"throughput (steady state, 10%-90% of answers): {med('steady'):.3f} x concurrency/latency {span('steady')}   "
