@@ -354,11 +354,12 @@ def test_report_rules_and_snakemake_report(tmp_path):
     if "rules/report.smk" not in snakefile.read_text():  # before the Snakefile includes it
         snakefile.write_text(snakefile.read_text() + '\ninclude: "rules/report.smk"\n')
     snakemake(work, "report")
-    for path in ("results/report.html", "results/chat/report.html", "results/tools/report.html"):
+    datasets = list(yaml.safe_load((work / "config/config.yaml").read_text())["datasets"])
+    for path in ["results/report.html"] + [f"results/{d}/report.html" for d in datasets]:
         assert_well_formed((work / path).read_text(encoding="utf-8"))
     run = json.loads((work / "results/validation.json").read_text())
     assert run["counts"]["total"] == sum(json.loads((work / f"results/{d}/validation.json").read_text())["counts"]["total"]
-                                         for d in ("chat", "tools"))
+                                         for d in datasets)
     assert yaml.safe_load((work / "results/routing_advice.yaml").read_text())["provider"]["order"]
     snakemake(work, "--report", "report.zip", "report")
     names = zipfile.ZipFile(work / "report.zip").namelist()
