@@ -64,3 +64,23 @@ def demo_tok(tmp_path_factory):
     build_demo_tokenizer(default_corpus_path(), out)
     fam = get_family("kimi-k2.5")
     return load_tokenizer(out, fam), fam
+
+
+def ask_stand_in(tok, fam, profile: str, seed: int, prompts: list[dict] | None = None) -> tuple[list[dict], dict]:
+    """Send every demo prompt to an in-process stand-in with ``profile`` (every other request streamed);
+    return the recorded responses and, per id, the stand-in's truth (what the model produced,
+    whatever the provider profile did to it)."""
+    import httpx
+
+    from eagledata.standin.server import SimulatorServer
+
+    records, truths = [], {}
+    with SimulatorServer(tok, fam, seed=seed, profile=profile) as sim, httpx.Client(timeout=30) as client:
+        for i, p in enumerate(demo_prompts() if prompts is None else prompts):
+            body = {"model": "demo", "messages": p["messages"], "max_tokens": 4096, "stream": i % 2 == 1}
+            if p.get("tools"):
+                body["tools"] = p["tools"]
+            r = client.post(sim.base_url + "/chat/completions", json=body)
+            records.append({"id": p["id"], "request": body, "status": r.status_code, "response_raw": r.text})
+            truths[p["id"]] = sim.truth_of(body)
+    return records, truths

@@ -6,7 +6,7 @@ import json
 
 import httpx
 import pytest
-from conftest import demo_prompts
+from conftest import ask_stand_in, demo_prompts
 
 from eagledata.report import build as rp
 from eagledata.text.chat import prompt_ids, prompt_text
@@ -28,15 +28,7 @@ TOOLS = [{"type": "function", "function": {
 
 def _collect(tok, fam, profile, tmp_path, tamper=None):
     """Ask the stand-in (``profile``) every demo prompt; return (shard rows by id, truths by id)."""
-    records, truths = [], {}
-    with SimulatorServer(tok, fam, seed=SEED, profile=profile) as sim, httpx.Client(timeout=30) as client:
-        for i, p in enumerate(demo_prompts()):
-            body = {"model": "demo", "messages": p["messages"], "max_tokens": 4096, "stream": i % 2 == 1}
-            if p.get("tools"):
-                body["tools"] = p["tools"]
-            r = client.post(sim.base_url + "/chat/completions", json=body)
-            records.append({"id": p["id"], "request": body, "status": r.status_code, "response_raw": r.text})
-            truths[p["id"]] = sim.truth_of(body)
+    records, truths = ask_stand_in(tok, fam, profile, SEED)
     if tamper:
         records = [tamper(r) for r in records]
     path = tmp_path / f"{profile}.jsonl"

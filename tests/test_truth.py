@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
-from conftest import demo_prompts
+from conftest import ask_stand_in, demo_prompts
 
 from eagledata.standin.profiles import PROFILES
 from eagledata.standin.server import SimulatorServer
@@ -30,15 +29,7 @@ EXPECTED = {
 @pytest.mark.parametrize("profile", sorted(PROFILES))
 def test_verdicts_never_bless_wrong_ids(profile, demo_tok, tmp_path):
     tok, fam = demo_tok
-    records, truths = [], {}
-    with SimulatorServer(tok, fam, seed=SEED, profile=profile) as sim, httpx.Client(timeout=30) as client:
-        for i, p in enumerate(demo_prompts()):
-            body = {"model": "demo", "messages": p["messages"], "max_tokens": 4096, "stream": i % 2 == 1}
-            if p.get("tools"):
-                body["tools"] = p["tools"]
-            r = client.post(sim.base_url + "/chat/completions", json=body)
-            records.append({"id": p["id"], "request": body, "status": r.status_code, "response_raw": r.text})
-            truths[p["id"]] = sim.truth_of(body)  # what the model produced, whatever the provider did to it
+    records, truths = ask_stand_in(tok, fam, profile, SEED)
     path = tmp_path / "responses.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     build_token_shards(path, tmp_path / "tokens", tok, fam, profile, shard_size=16)
