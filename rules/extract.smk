@@ -13,6 +13,14 @@ if "final_norm" in config["extraction"]:
     )
 
 
+# each dataset's extraction.max_seq_len / on_long: a rule param, so a change reruns its extraction
+LENGTH_LIMITS = {
+    name: {"max_seq_len": (d.get("extraction") or {}).get("max_seq_len"),
+           "on_long": (d.get("extraction") or {}).get("on_long", "truncate")}
+    for name, d in config["datasets"].items()
+}
+
+
 rule demo_model:
     input:
         tokenizer=f"{RESULTS}/_assets/demo-tokenizer",
@@ -43,6 +51,7 @@ rule extract:
         dtype=config["extraction"]["dtype"],
         compute_dtype=config["extraction"]["compute_dtype"],
         backend=config["extraction"]["backend"],
+        length_limit=lambda wc: LENGTH_LIMITS[wc.dataset],
     resources:
         # Snakemake only counts GPUs (--resources gpu=8); the job claims concrete indices itself
         gpu=config["extraction"]["gpus_per_job"],

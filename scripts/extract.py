@@ -35,6 +35,7 @@ try:
         torch.set_num_threads(max(1, int(smk.threads)))
 
     out = Path(smk.output[0])
+    own = dict(smk.config["datasets"][smk.wildcards.dataset].get("extraction") or {})  # length limit
     backend = str(cfg.get("backend", "hf"))
     options = {}
     if backend == "sglang":
@@ -54,6 +55,8 @@ try:
         reserve_disk_bytes=int(cfg.get("reserve_disk_gb", 0) * (1 << 30)),
         work_dir=out.parent / f".{out.name}.partial",
         final_norm=cfg.get("final_norm"),  # removed setting: refused with a message when set
+        max_seq_len=own.get("max_seq_len"),
+        on_long=str(own.get("on_long", "truncate")),
     )
 except Exception:
     log.exception("extraction failed")

@@ -536,3 +536,184 @@ def test_non_rms_final_norm_is_refused(model):
     odd.forward = lambda x: forward(x) + x * 0.5
     with pytest.raises(ExtractionError, match="is not x \\* rsqrt"):
         check_rms_norm(odd, final_norm_of(odd))
+
+
+# --------------------------------------------------------------------------- sanity checks (issue 12 point 8)
+
+
+def test_clean_run_records_rms_and_rerun_diff(fp32_out, token_rows):
+    """Each shard's manifest entry holds the per-layer RMS of its stored values and the max abs
+    diff of one sample re-run alone against its batched result (within float32 tolerance)."""
+    root, manifest = fp32_out
+    for entry in manifest["shards"]:
+        t = load_file(root / "hidden" / entry["file"])
+        rms = entry["checks"]["rms"]
+        assert list(rms) == ["layer_1", "layer_3", "layer_4", "final"]
+        for j, name in enumerate(["layer_1", "layer_3", "layer_4"]):
+            want = float(t["aux_hidden_states"][:, j].double().pow(2).mean().sqrt())
+            assert rms[name] == pytest.approx(want, rel=1e-5)
+        assert rms["final"] == pytest.approx(float(t["hidden_state"].double().pow(2).mean().sqrt()), rel=1e-5)
+        rerun = entry["checks"]["rerun"]
+        ids = json.loads(safe_open(root / "hidden" / entry["file"], "pt").metadata()["sample_ids"])
+        assert rerun["sample"] in ids
+        assert 0 <= rerun["max_abs_diff"] < 1e-4 and rerun["rtol"] == 1e-4
+
+
+def test_rerun_sample_is_batched_with_others():
+    from eagledata.extract.checks import pick_rerun_sample, rerun_rtol
+
+    assert pick_rerun_sample([[3], [1, 0, 2]]) == 1
+    assert pick_rerun_sample([[3], [1]]) == 3
+    assert pick_rerun_sample([]) is None
+    assert rerun_rtol("float32", "bfloat16") == rerun_rtol("bfloat16", None) > rerun_rtol("float32", "float32")
+
+
+def test_injected_nan_fails_naming_shard_and_sample(tmp_path, token_rows, weights, model, monkeypatch):
+    """A NaN in one sample's forward fails the job; the message names the shard and that sample;
+    no output shard is published."""
+    from eagledata.extract.checks import NonFiniteError
+
+    victim = [r for r in token_rows[1] if r["train"]][2]
+    real = HFBackend.forward
+
+    def poisoned(self, seqs, out_dtype):
+        res = real(self, seqs, out_dtype)
+        for b, s in enumerate(seqs):
+            if s.tolist() == victim["input_ids"]:
+                aux, final = res[b]
+                aux = aux.clone()
+                aux[len(s) // 2, 1, 5] = float("nan")
+                res[b] = (aux, final)
+        return res
+
+    monkeypatch.setattr(HFBackend, "forward", poisoned)
+    tokens = write_tokens(tmp_path / "tokens", token_rows)
+    with pytest.raises(NonFiniteError) as err:
+        ex.extract_dataset(tokens, tmp_path / "hidden", weights, dtype="float32", device="cpu",
+                           batch_tokens=200, model=model)
+    msg = str(err.value)
+    assert "shard-00001.parquet" in msg and repr(victim["id"]) in msg and "aux_hidden_states" in msg
+    assert "layer_3" in msg
+    assert not (tmp_path / "hidden" / "shard-00001.safetensors").exists()
+
+
+def test_rerun_mismatch_fails(tmp_path, token_rows, weights, model, monkeypatch):
+    """A backend whose single-sample result differs from its batched one fails the shard."""
+    from eagledata.extract.checks import RerunMismatchError
+
+    real = HFBackend.forward
+
+    def drifting(self, seqs, out_dtype):
+        res = real(self, seqs, out_dtype)
+        return [(a + 0.5, f) for a, f in res] if len(seqs) == 1 else res
+
+    monkeypatch.setattr(HFBackend, "forward", drifting)
+    tokens = write_tokens(tmp_path / "tokens", token_rows)
+    with pytest.raises(RerunMismatchError, match=r"shard-00000\.parquet: sample 'a-"):
+        ex.extract_dataset(tokens, tmp_path / "hidden", weights, dtype="float32", device="cpu",
+                           batch_tokens=200, model=model)
+
+
+# --------------------------------------------------------------------------- length limits (issue 12 point 7)
+
+
+def _limit_rows():
+    rng = np.random.default_rng(7)
+    spec = [("short", 4, 10), ("long", 6, 40), ("long-prompt", 25, 5), ("exact", 10, 10), ("off", 3, 50)]
+    rows = []
+    for sid, p, c in spec:
+        rows.append({"id": sid, "input_ids": rng.integers(0, VOCAB, p + c).tolist(), "prompt_len": p,
+                     "completion_len": c, "train": sid != "off"})
+    return rows
+
+
+@pytest.mark.parametrize("on_long", ["truncate", "skip"])
+def test_max_seq_len_truncates_or_skips_and_flags(tmp_path, weights, model, on_long):
+    rows = _limit_rows()
+    tokens = write_tokens(tmp_path / "tokens", [rows])
+    manifest = ex.extract_dataset(tokens, tmp_path / "hidden", weights, dtype="float32", device="cpu",
+                                  batch_tokens=200, model=model, max_seq_len=20, on_long=on_long)
+    t = load_file(tmp_path / "hidden" / "shard-00000.safetensors")
+    ids = json.loads(safe_open(tmp_path / "hidden" / "shard-00000.safetensors", "pt").metadata()["sample_ids"])
+    flagged = {f["id"]: f for f in manifest["shards"][0]["length_limit"]["flagged"]}
+    by_id = {r["id"]: r for r in rows}
+    assert flagged["long-prompt"]["action"] == "skipped" and flagged["long-prompt"]["tokens"] == 30
+    if on_long == "truncate":
+        assert ids == ["short", "long", "exact"]
+        assert flagged["long"] == {"id": "long", "tokens": 46, "kept": 20, "action": "truncated"}
+        off = t["sample_offsets"].tolist()
+        assert off == [0, 14, 34, 54]
+        # the prompt is kept whole, the completion cut: ids and mask are the sample's first 20 tokens
+        assert t["input_ids"][14:34].tolist() == by_id["long"]["input_ids"][:20]
+        assert t["loss_mask"][14:34].tolist() == [0] * 6 + [1] * 14
+        assert manifest["length_limit"] | {} == {
+            "max_seq_len": 20, "on_long": "truncate", "truncated": 1, "skipped": 1,
+            "trainer_max_len": {"specforge": 2048, "speculators": 8192},
+            "over_trainer_max": {"specforge": 0, "speculators": 0}}
+    else:
+        assert ids == ["short", "exact"] and set(flagged) == {"long", "long-prompt"}
+        assert manifest["length_limit"]["truncated"] == 0 and manifest["length_limit"]["skipped"] == 2
+    assert "off" not in flagged  # not a train row: never counted
+    assert manifest["samples"] == len(ids)
+    assert read_index(tmp_path / "hidden")["id"].to_list() == ids
+    # the truncated sample's states equal a forward of the cut sample alone (causal: = the first 20 rows)
+    if on_long == "truncate":
+        aux, final = forward_hidden(find_decoder(model), torch.tensor([by_id["long"]["input_ids"][:20]]), None,
+                                    [1, 3, 4])
+        torch.testing.assert_close(t["hidden_state"][14:34], final[0], rtol=1e-5, atol=2e-6)
+
+
+def test_changed_limit_reextracts_and_no_limit_is_default(tmp_path, weights, model, caplog):
+    rows = _limit_rows()
+    tokens = write_tokens(tmp_path / "tokens", [rows])
+    m0 = ex.extract_dataset(tokens, tmp_path / "hidden", weights, dtype="float32", device="cpu", model=model)
+    assert m0["length_limit"]["max_seq_len"] is None and m0["length_limit"]["truncated"] == 0
+    assert m0["samples"] == 4 and m0["shards"][0]["length_limit"]["flagged"] == []
+    m1 = ex.extract_dataset(tokens, tmp_path / "hidden", weights, dtype="float32", device="cpu", model=model,
+                            max_seq_len=20)
+    assert not m1["shards"][0].get("resumed") and m1["samples"] == 3
+    m2 = ex.extract_dataset(tokens, tmp_path / "hidden", weights, dtype="float32", device="cpu", model=model,
+                            max_seq_len=20)
+    assert m2["shards"][0]["resumed"] and m2["length_limit"]["skipped"] == 1 and m2["length_limit"]["truncated"] == 1
+    with pytest.raises(ExtractionError, match="on_long"):
+        ex.extract_dataset(tokens, tmp_path / "h2", weights, model=model, on_long="cut")
+
+
+def test_long_samples_warned_against_trainer_defaults(tmp_path, weights, model, caplog, monkeypatch):
+    """Stored samples longer than a trainer's default maximum length are counted and warned about."""
+    from eagledata.extract import limits
+
+    monkeypatch.setitem(limits.TRAINER_MAX_LEN, "specforge", 30)
+    tokens = write_tokens(tmp_path / "tokens", [_limit_rows()])
+    with caplog.at_level("WARNING", logger="eagledata.extract.core"):
+        m = ex.extract_dataset(tokens, tmp_path / "hidden", weights, dtype="float32", device="cpu", model=model)
+    assert m["length_limit"]["over_trainer_max"] == {"specforge": 1, "speculators": 0}  # "long": 46 tokens
+    assert any("longer than SpecForge data.max_length's default 30" in r.getMessage() for r in caplog.records)
+
+
+def test_every_sample_skipped_writes_an_empty_shard(tmp_path, weights, model):
+    tokens = write_tokens(tmp_path / "tokens", [_limit_rows()])
+    m = ex.extract_dataset(tokens, tmp_path / "hidden", weights, dtype="float32", device="cpu", model=model,
+                           max_seq_len=5, on_long="skip")
+    assert m["samples"] == 0 and m["length_limit"]["skipped"] == 4
+    assert m["shards"][0]["checks"]["rerun"] is None
+
+
+def test_dataset_report_counts_length_limit(tmp_path, tmp_path_factory, weights, model):
+    """The dataset report shows the extraction's length-limit counts when hidden/manifest.json exists."""
+    import test_report as tr
+    from eagledata.report import build as rp
+    from eagledata.text.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tr.dt.build_demo_tokenizer(None, tmp_path / "tokenizer"), tr.FAMILY)
+    validation, tokens = tr.build_dataset(tok, tmp_path / "results", "syn")
+    ctx = rp.build_dataset_report(validation, tokens, tmp_path / "r0.html", tok)
+    assert ctx["extraction"] is None and "max_seq_len" not in (tmp_path / "r0.html").read_text()
+    ltokens = write_tokens(tmp_path / "ltokens", [_limit_rows()])
+    ex.extract_dataset(ltokens, tmp_path / "results" / "syn" / "hidden", weights, dtype="float32", device="cpu",
+                       model=model, max_seq_len=20)
+    ctx = rp.build_dataset_report(validation, tokens, tmp_path / "r1.html", tok)
+    assert ctx["extraction"]["truncated"] == 1 and ctx["extraction"]["skipped"] == 1
+    text = (tmp_path / "r1.html").read_text()
+    assert "max_seq_len 20 (truncate): 1 truncated, 1 skipped" in text
+    tr.assert_well_formed(text)

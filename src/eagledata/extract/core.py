@@ -36,7 +36,9 @@ Output (one safetensors file per token shard, token-major; S samples, N tokens i
 
 Beside the shards: ``index.parquet`` (one row per sample: ``id``, ``shard``, ``row``, ``offset``,
 ``length``, ``prompt_len``, ``sample``) and ``manifest.json`` (settings, per-shard counts, bytes and
-sha256 of every output shard).
+sha256 of every output shard, and its ``checks``: per-layer ``rms`` and the ``rerun`` of one sample
+alone against its batched result, :mod:`eagledata.extract.checks`; a NaN/Inf or a re-run beyond the
+dtype tolerance fails the job naming the shard and the sample).
 
 Files are streamed to disk (the header is computed up front from the token counts, so a shard's
 tensors are never all held in memory: K2.5 produces ~57 KB per token), written by a background
@@ -67,8 +69,16 @@ from eagledata.extract.base import (
     text_config,
     torch_dtype,
 )
+from eagledata.extract.checks import ShardChecks, compare_rerun, pick_rerun_sample, rerun_rtol
 from eagledata.extract.hf import HFBackend, as_backend, load_model
 from eagledata.extract.layers import layer_semantics, resolve_layers
+from eagledata.extract.limits import (
+    TRAINER_MAX_LEN,
+    apply_length_limit,
+    check_limit,
+    limit_summary,
+    over_trainer_max,
+)
 from eagledata.extract.norm import FINAL_STORED, NORM_FORMULA, NORM_KIND
 from eagledata.extract.storage import (
     FORMAT,
@@ -117,9 +127,14 @@ def plan_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
 # --------------------------------------------------------------------------- one shard
 
 
+def limit_key(max_seq_len: int | None, on_long: str) -> str:
+    """The ``length_limit`` metadata value of a shard (a resume key: a changed limit re-extracts)."""
+    return json.dumps({"max_seq_len": max_seq_len, "on_long": on_long}, sort_keys=True)
+
+
 def shard_metadata(shard: TokenShard, src: Path, backend: ExtractionBackend, *, dtype: str,
                    compute_dtype: str, model_path: str, model_fp: str, tokenizer_fingerprint: str,
-                   source_sha256: str) -> dict[str, str]:
+                   source_sha256: str, length_limit: str = limit_key(None, "truncate")) -> dict[str, str]:
     """The string metadata written into an output shard's header (see the module docstring)."""
     layers = backend.layers
     return {
@@ -143,6 +158,7 @@ def shard_metadata(shard: TokenShard, src: Path, backend: ExtractionBackend, *, 
         "tokens": str(int(shard.offsets[-1])),
         "hidden_size": str(backend.hidden_size),
         "num_layers": str(backend.num_layers),
+        "length_limit": length_limit,
     }
 
 
@@ -155,35 +171,55 @@ def _check_vocab(shard: TokenShard, src: Path, vocab: int) -> None:
 
 
 def _fill_shard(writer: SafetensorsStreamWriter, shard: TokenShard, backend: ExtractionBackend,
-                out_dtype: Any, batch_tokens: int) -> float:
+                out_dtype: Any, batch_tokens: int, shard_name: str) -> tuple[float, dict[str, Any]]:
     """Write every tensor of ``shard`` through ``writer`` (forwards batch by batch, rows written on a
-    background thread); returns the seconds spent in forwards."""
+    background thread), checking each sample (:mod:`eagledata.extract.checks`); returns the seconds
+    spent in forwards and the checks' record (``rms`` per layer, ``rerun``)."""
     import torch
 
     writer.write_rows("input_ids", 0, torch.from_numpy(shard.input_ids))
     writer.write_rows("loss_mask", 0, torch.from_numpy(loss_mask_for(shard.prompt_lens, shard.offsets)))
     writer.write_rows("sample_offsets", 0, torch.from_numpy(shard.offsets))
     writer.write_rows("final_norm_weight", 0, backend.final_norm.weight.to(torch.float32))
+    checks = ShardChecks(shard_name, backend.layers)
+    batches = plan_batches(shard.lengths, batch_tokens)
+    rerun_k = pick_rerun_sample(batches)
+    kept: tuple[Any, Any] | None = None
     bg = BackgroundWriter(writer)
     fwd_s = 0.0
     all_ids = torch.from_numpy(shard.input_ids)
+    seq = lambda k: all_ids[int(shard.offsets[k]) : int(shard.offsets[k + 1])]  # noqa: E731
     try:
-        for batch in plan_batches(shard.lengths, batch_tokens):
-            seqs = [all_ids[int(shard.offsets[k]) : int(shard.offsets[k + 1])] for k in batch]
+        for batch in batches:
             tf = time.perf_counter()
-            results = backend.forward(seqs, out_dtype)
+            results = backend.forward([seq(k) for k in batch], out_dtype)
             fwd_s += time.perf_counter() - tf
             items = []
             for k, (aux, final) in zip(batch, results):
+                checks.add(shard.ids[k], aux, final)
+                kept = (aux, final) if k == rerun_k else kept
                 items.append(("aux_hidden_states", int(shard.offsets[k]), aux))
                 items.append(("hidden_state", int(shard.offsets[k]), final))
             bg.put(items)
+        record: dict[str, Any] = {"rms": checks.rms(), "rerun": None}
+        if rerun_k is not None and kept is not None:
+            alone = backend.forward([seq(rerun_k)], out_dtype)[0]
+            rtol = rerun_rtol(str(out_dtype).removeprefix("torch."), computed_dtype(backend))
+            record["rerun"] = compare_rerun(shard_name, shard.ids[rerun_k], kept, alone, rtol)
     except BaseException:
         with contextlib.suppress(BaseException):
             bg.finish()
         raise
     bg.finish()
-    return fwd_s
+    return fwd_s, record
+
+
+def computed_dtype(backend: ExtractionBackend) -> str | None:
+    """The dtype the backend's model computes in, when known (``model_dtype``, else a set compute dtype)."""
+    known = getattr(backend, "model_dtype", None)
+    if known:
+        return str(known).removeprefix("torch.")
+    return None if backend.compute_dtype == "auto" else backend.compute_dtype
 
 
 def extract_shard(
@@ -200,6 +236,8 @@ def extract_shard(
     model_fp: str = "",
     compute_dtype: str = "auto",
     reserve_disk_bytes: int = 0,
+    max_seq_len: int | None = None,
+    on_long: str = "truncate",
 ) -> dict[str, Any]:
     """Extract one token shard ``src`` into the safetensors file ``dst`` (format in the module
     docstring), written to ``dst.tmp-PID`` and published with ``os.replace``.
@@ -208,18 +246,20 @@ def extract_shard(
     Samples are the shard's ``train`` rows in shard order; batching (:func:`plan_batches`) does not
     change values beyond float rounding of different batch shapes. Before anything is written the
     free disk space is checked against the shard's exact size (+ ``reserve_disk_bytes``). Returns
-    per-shard stats (samples, tokens, seconds, forward_seconds, tokens_per_s)."""
+    per-shard stats (samples, tokens, seconds, forward_seconds, tokens_per_s, checks, length_limit).
+    ``max_seq_len`` / ``on_long``: the dataset's length limit (:mod:`eagledata.extract.limits`),
+    applied before any forward; the flagged samples are in ``length_limit``."""
     src, dst = Path(src), Path(dst)
     backend = as_backend(model, layers, compute_dtype)
     out_dtype = torch_dtype(dtype)
     source_sha256 = source_sha256 or sha256_file(src)
     t0 = time.perf_counter()
-    shard = read_token_shard(src)
+    shard, flags = apply_length_limit(read_token_shard(src), max_seq_len, on_long)
     _check_vocab(shard, src, backend.vocab_size)
     n, s, h, nl = int(shard.offsets[-1]), len(shard.ids), backend.hidden_size, len(backend.layers)
     meta = shard_metadata(shard, src, backend, dtype=dtype, compute_dtype=compute_dtype,
                           model_path=model_path, model_fp=model_fp, tokenizer_fingerprint=tokenizer_fingerprint,
-                          source_sha256=source_sha256)
+                          source_sha256=source_sha256, length_limit=limit_key(max_seq_len, on_long))
     dst.parent.mkdir(parents=True, exist_ok=True)
     # header is < 100 bytes per sample (ids) + a few KB: count it generously
     need = estimate_shard_bytes(n, s, nl, h, dtype, header_bytes=len(meta["sample_ids"]) + 16384)
@@ -227,7 +267,7 @@ def extract_shard(
     tmp = dst.with_name(f"{dst.name}.tmp-{os.getpid()}")
     writer = SafetensorsStreamWriter(tmp, shard_specs(n, s, nl, h, dtype), meta)
     try:
-        fwd_s = _fill_shard(writer, shard, backend, out_dtype, batch_tokens)
+        fwd_s, checked = _fill_shard(writer, shard, backend, out_dtype, batch_tokens, src.name)
         writer.close()
         os.replace(tmp, dst)
     except BaseException:
@@ -245,9 +285,12 @@ def extract_shard(
         "seconds": round(secs, 3),
         "forward_seconds": round(fwd_s, 3),
         "tokens_per_s": round(n / secs, 1) if secs > 0 else None,
+        "checks": checked,
+        "length_limit": {"flagged": flags, "over_trainer_max": over_trainer_max(shard.lengths)},
     }
-    log.info("%s -> %s: %d samples, %d tokens, %.2f s (forward %.2f s), %.0f tokens/s",
-             src.name, dst, s, n, secs, fwd_s, n / secs if secs > 0 else float("nan"))
+    log.info("%s -> %s: %d samples, %d tokens, %.2f s (forward %.2f s), %.0f tokens/s; checks: no NaN/Inf, "
+             "RMS %s, re-run alone %s", src.name, dst, s, n, secs, fwd_s, n / secs if secs > 0 else float("nan"),
+             checked["rms"], checked["rerun"])
     return stats
 
 
@@ -298,12 +341,14 @@ class DatasetRun:
     hidden: int
     model_fp: str
     tokenizer_fp: str
+    max_seq_len: int | None = None
+    on_long: str = "truncate"
 
     def resume_keys(self, source_sha256: str) -> dict[str, str]:
         """The metadata an existing output shard must carry to be kept (:data:`RESUME_KEYS`)."""
         values = {"format": FORMAT, "layers": json.dumps(self.layers),
                   "dtype": self.dtype, "compute_dtype": self.compute_dtype, "model_fingerprint": self.model_fp,
-                  "source_sha256": source_sha256}
+                  "source_sha256": source_sha256, "length_limit": limit_key(self.max_seq_len, self.on_long)}
         return {k: values[k] for k in RESUME_KEYS}
 
     def manifest(self, shards_out: list[dict[str, Any]], complete: bool, norm_eps: float | None = None,
@@ -319,6 +364,7 @@ class DatasetRun:
             "samples": sum(s["samples"] for s in shards_out),
             "layers": layers,
             "layer_semantics": layer_semantics(layers),
+            "length_limit": limit_summary(shards_out, self.max_seq_len, self.on_long),
             "final_norm": {"stored": FINAL_STORED, "kind": NORM_KIND, "eps": norm_eps, "weight": "final_norm_weight",
                            "formula": NORM_FORMULA},
             "vocab_size": vocab_size,
@@ -384,21 +430,46 @@ def _clear_leftovers(target: Path) -> dict[str, dict[str, Any]]:
 
 
 def _one_shard(run: DatasetRun, entry: dict[str, Any], runner: LazyBackend, batch_tokens: int,
-               reserve_disk_bytes: int) -> dict[str, Any]:
-    """Keep the output of token shard ``entry`` when it matches (resume), else extract it; stats."""
+               reserve_disk_bytes: int, previous: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Keep the output of token shard ``entry`` when it matches (resume; its checks come from the
+    previous manifest), else extract it; stats."""
     src = run.tokens_dir / entry["file"]
     dst = run.target / output_name(entry["file"])
     meta = read_shard_metadata(dst) if dst.exists() else None
     if meta is not None and all(meta.get(k) == v for k, v in run.resume_keys(entry["sha256"]).items()):
         log.info("%s: done already (source sha256 and settings match), skipped", dst.name)
+        shard, flags = apply_length_limit(read_token_shard(src), run.max_seq_len, run.on_long)
         return {"file": dst.name, "source": src.name, "source_sha256": entry["sha256"],
-                "samples": int(meta["samples"]), "tokens": int(meta["tokens"]), "resumed": True}
+                "samples": int(meta["samples"]), "tokens": int(meta["tokens"]), "resumed": True,
+                "checks": (previous.get(dst.name) or {}).get("checks"),
+                "length_limit": {"flagged": flags, "over_trainer_max": over_trainer_max(shard.lengths)}}
     return extract_shard(
         runner.get(), src, dst, layers=run.layers, dtype=run.dtype,
         batch_tokens=batch_tokens, source_sha256=entry["sha256"], tokenizer_fingerprint=run.tokenizer_fp,
         model_path=str(run.weights), model_fp=run.model_fp, compute_dtype=run.compute_dtype,
-        reserve_disk_bytes=reserve_disk_bytes,
+        reserve_disk_bytes=reserve_disk_bytes, max_seq_len=run.max_seq_len, on_long=run.on_long,
     )
+
+
+def warn_long_samples(manifest: dict[str, Any]) -> None:
+    """Log the length limit's counts, and a warning per trainer whose default maximum length
+    (:data:`TRAINER_MAX_LEN`) some stored samples exceed."""
+    lim = manifest["length_limit"]
+    if lim["max_seq_len"] is not None:
+        log.info("length limit %s (%s): %d sample(s) truncated, %d skipped", lim["max_seq_len"], lim["on_long"],
+                 lim["truncated"], lim["skipped"])
+    option = {"specforge": "SpecForge data.max_length", "speculators": "speculators --total-seq-len"}
+    for name, n in lim["over_trainer_max"].items():
+        if n:
+            log.warning("%d of %d stored sample(s) are longer than %s's default %d: the trainer cuts them at load "
+                        "time unless it is raised (or set this dataset's extraction.max_seq_len)",
+                        n, manifest["samples"], option[name], TRAINER_MAX_LEN[name])
+
+
+def _with_file_facts(stats: dict[str, Any], dst: Path, previous: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``stats`` with the written shard's ``bytes``, ``mtime_ns`` and ``sha256``."""
+    st = dst.stat()
+    return {**stats, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": shard_sha256(dst, previous)}
 
 
 def _norm_facts(shard: Path, seen: dict[str, Any]) -> dict[str, Any]:
@@ -435,6 +506,8 @@ def extract_dataset(
     backend_options: dict[str, Any] | None = None,
     reserve_disk_bytes: int = 0,
     final_norm: Any = None,
+    max_seq_len: int | None = None,
+    on_long: str = "truncate",
 ) -> dict[str, Any]:
     """Extract every shard of ``tokens_dir/manifest.json`` into ``out_dir``; write
     ``index.parquet`` and ``manifest.json`` there. Returns the manifest.
@@ -453,9 +526,11 @@ def extract_dataset(
       ``dtype``.
     * ``final_norm``: the removed setting; anything but ``None`` is refused with a message (the
       final state is always stored before the norm, with the norm's weight and eps).
+    * ``max_seq_len`` / ``on_long``: the dataset's length limit (:mod:`eagledata.extract.limits`).
     """
     refuse_final_norm_setting(final_norm)
     check_settings(backend, dtype, compute_dtype, batch_tokens)
+    check_limit(max_seq_len, on_long)
     tokens_dir, out_dir = Path(tokens_dir), Path(out_dir)
     target = Path(work_dir) if work_dir is not None else out_dir
     target.mkdir(parents=True, exist_ok=True)
@@ -464,7 +539,7 @@ def extract_dataset(
     num_layers = int(cfg.num_hidden_layers)
     run = DatasetRun(tokens_dir, target, weights, tmanifest, resolve_layers(layers, num_layers), dtype,
                      compute_dtype, backend, num_layers, int(cfg.hidden_size), model_fingerprint(weights),
-                     str(tmanifest.get("tokenizer_fingerprint", "")))
+                     str(tmanifest.get("tokenizer_fingerprint", "")), max_seq_len, on_long)
     log.info("extracting %s -> %s: backend %s, layers %s (final state before the norm), dtype %s, model %s",
              tokens_dir, out_dir, backend, run.layers, dtype, weights)
     previous = _clear_leftovers(target)
@@ -474,13 +549,9 @@ def extract_dataset(
     norm: dict[str, Any] = {}
     try:
         for entry in tmanifest.get("shards", []):
-            stats = _one_shard(run, entry, runner, batch_tokens, reserve_disk_bytes)
+            stats = _one_shard(run, entry, runner, batch_tokens, reserve_disk_bytes, previous)
             dst = target / stats["file"]
-            st = dst.stat()
-            stats["bytes"] = st.st_size
-            stats["mtime_ns"] = st.st_mtime_ns
-            stats["sha256"] = shard_sha256(dst, previous)
-            shards_out.append(stats)
+            shards_out.append(_with_file_facts(stats, dst, previous))
             norm = _norm_facts(dst, norm)
             write_manifest(target / "manifest.json", run.manifest(shards_out, False, **norm))
     finally:
@@ -489,6 +560,7 @@ def extract_dataset(
     write_index(target / "index.parquet", shards_out, target)
     manifest = run.manifest(shards_out, True, **norm)
     write_manifest(target / "manifest.json", manifest)
+    warn_long_samples(manifest)
     if work_dir is not None:
         publish_dir(target, out_dir)
     new_tokens = sum(s["tokens"] for s in shards_out if not s.get("resumed"))

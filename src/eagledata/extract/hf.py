@@ -153,6 +153,7 @@ class HFBackend(ExtractionBackend):
         self.final_norm = final_norm_of(self.decoder.norm)
         check_rms_norm(self.decoder.norm, self.final_norm)
         self.compute_dtype = compute_dtype
+        self.model_dtype = str(self.decoder.module.get_input_embeddings().weight.dtype).removeprefix("torch.")
 
     def forward(self, seqs, out_dtype):
         import torch

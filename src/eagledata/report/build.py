@@ -98,6 +98,22 @@ def write_text(path: str | Path, text: str) -> None:
     atomic_write_text(path, text)
 
 
+def extraction_facts(tokens_dir: str | Path) -> dict[str, Any] | None:
+    """The length-limit counts of the dataset's hidden-state manifest (``{results}/{dataset}/hidden``
+    beside ``tokens_dir``) when extraction has run, else ``None``: ``samples``, ``tokens``,
+    ``max_seq_len``, ``on_long``, ``truncated``, ``skipped``, ``over_trainer_max`` and
+    ``trainer_max_len``."""
+    path = Path(tokens_dir).parent / "hidden" / "manifest.json"
+    try:
+        m = json.loads(path.read_text(encoding="utf-8"))
+    except (FileNotFoundError, ValueError):
+        return None
+    lim = m.get("length_limit") or {}
+    return {"samples": m.get("samples", 0), "tokens": m.get("tokens", 0), "max_seq_len": lim.get("max_seq_len"),
+            "on_long": lim.get("on_long"), "truncated": lim.get("truncated", 0), "skipped": lim.get("skipped", 0),
+            "over_trainer_max": lim.get("over_trainer_max") or {}, "trainer_max_len": lim.get("trainer_max_len") or {}}
+
+
 def build_dataset_report(validation: str | Path | Mapping[str, Any], tokens_dir: str | Path, out_html: str | Path,
                          tokenizer, settings: Mapping[str, Any] | None = None,
                          run_report: str | None = None) -> dict[str, Any]:
@@ -123,7 +139,7 @@ def build_dataset_report(validation: str | Path | Mapping[str, Any], tokens_dir:
         "implicated": IMPLICATED, "advice": advice,
         "advice_yaml": routing_advice_yaml(advice, f"dataset {v.get('dataset')}"),
         "datasets": [], "run_report": run_report, "version": __version__, "settings": settings,
-        "colours": VERDICT_COLOURS,
+        "colours": VERDICT_COLOURS, "extraction": extraction_facts(tokens_dir),
     }
     write_text(out_html, template().render(**ctx))
     return ctx
@@ -166,7 +182,7 @@ def build_run_report(datasets: Mapping[str, tuple[str | Path, str | Path]], out_
         "implicated": IMPLICATED, "advice": advice,
         "advice_yaml": routing_advice_yaml(advice, "datasets " + ", ".join(datasets)),
         "datasets": ds_rows, "run_report": None, "version": __version__, "settings": settings,
-        "colours": VERDICT_COLOURS,
+        "colours": VERDICT_COLOURS, "extraction": None,
     }
     write_text(out_json, json.dumps(run, indent=2) + "\n")
     write_text(out_yaml, ctx["advice_yaml"])

@@ -1,0 +1,116 @@
+"""Sanity checks of one extract job, per shard (issue 12 point 8).
+
+* :class:`ShardChecks` sees every sample's stored tensors (``aux`` [T, n_layers, H], ``final`` [T, H],
+  in the stored dtype): any NaN/Inf fails the job with :class:`NonFiniteError` naming the shard, the
+  sample and the tensor; it accumulates the per-layer RMS (float64 sums) recorded in the manifest.
+* :func:`pick_rerun_sample` chooses one sample per shard (the first of the first batch that holds
+  more than one sample, so padding and batch shape are exercised), and :func:`compare_rerun`
+  checks that sample's result re-run alone against its batched result: fails with
+  :class:`RerunMismatchError` when ``|alone - batched| > rtol * (|batched| + rms)`` anywhere
+  (``rtol`` by the coarser of the stored and computed dtypes, :data:`RERUN_RTOL`); records the max
+  abs diff.
+
+torch is imported inside functions.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Sequence
+
+from eagledata.extract.base import ExtractionError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+#: relative tolerance of the batched-vs-alone re-run by dtype: about 4 units in the last place
+#: (float32 gets more: batched attention kernels reorder sums over thousands of terms).
+RERUN_RTOL = {"float32": 1e-4, "float16": 4 * 2.0 ** -10, "bfloat16": 4 * 2.0 ** -7,
+              "float8_e4m3fn": 4 * 2.0 ** -3}
+_COARSENESS = ["float32", "float16", "bfloat16", "float8_e4m3fn"]
+
+
+class NonFiniteError(ExtractionError):
+    """A stored hidden-state tensor holds NaN or Inf."""
+
+
+class RerunMismatchError(ExtractionError):
+    """A sample re-run alone differs from its batched result beyond the dtype tolerance."""
+
+
+def layer_names(layers: Sequence[int]) -> list[str]:
+    """Keys of the RMS record: ``layer_{i}`` per aux layer, then ``final`` (before the norm)."""
+    return [f"layer_{i}" for i in layers] + ["final"]
+
+
+class ShardChecks:
+    """NaN/Inf check and per-layer RMS over one shard's stored tensors."""
+
+    def __init__(self, shard_name: str, layers: Sequence[int]):
+        self.shard_name = shard_name
+        self.names = layer_names(layers)
+        self.sumsq = [0.0] * len(self.names)
+        self.count = [0] * len(self.names)
+
+    def add(self, sample_id: str, aux: "torch.Tensor", final: "torch.Tensor") -> None:
+        """Check one sample's stored tensors, then add them to the RMS sums."""
+        import torch
+
+        for name, t in (("aux_hidden_states", aux), ("hidden_state", final)):
+            t32 = t.to(torch.float32)
+            bad = ~torch.isfinite(t32)
+            if bool(bad.any()):
+                pos = bad.nonzero()[0].tolist()
+                raise NonFiniteError(
+                    f"{self.shard_name}: sample {sample_id!r}: {int(bad.sum())} NaN/Inf value(s) in {name} "
+                    f"(first at token {pos[0]}{', layer ' + self.names[pos[1]] if name == 'aux_hidden_states' else ''})")
+        a32 = aux.to(torch.float32)
+        for j in range(a32.shape[1]):
+            self.sumsq[j] += float(a32[:, j].double().pow(2).sum())
+            self.count[j] += a32[:, j].numel()
+        self.sumsq[-1] += float(final.to(torch.float64).pow(2).sum())
+        self.count[-1] += final.numel()
+
+    def rms(self) -> dict[str, float | None]:
+        """Per-layer RMS over every stored value of the shard (``None`` for an empty shard)."""
+        return {n: (float(f"{math.sqrt(s / c):.6g}") if c else None) for n, s, c in zip(self.names, self.sumsq, self.count)}
+
+
+def pick_rerun_sample(batches: Sequence[Sequence[int]]) -> int | None:
+    """The sample re-run alone: the first of the first batch with more than one sample, else the
+    first sample (``None`` for an empty shard)."""
+    for batch in batches:
+        if len(batch) > 1:
+            return batch[0]
+    return batches[0][0] if batches and batches[0] else None
+
+
+def rerun_rtol(stored: str, computed: str | None) -> float:
+    """Tolerance of the re-run check: that of the coarser of the stored and computed dtypes."""
+    names = [d for d in (stored, computed) if d in RERUN_RTOL]
+    return RERUN_RTOL[max(names, key=_COARSENESS.index)] if names else RERUN_RTOL["float32"]
+
+
+def compare_rerun(shard_name: str, sample_id: str, batched: tuple[Any, Any], alone: tuple[Any, Any],
+                  rtol: float) -> dict[str, Any]:
+    """Compare a sample's batched ``(aux, final)`` with its result re-run alone; the record for the
+    manifest (``sample``, ``max_abs_diff``, ``rtol``); raises :class:`RerunMismatchError` beyond
+    ``rtol * (|batched| + rms(batched))`` at any value."""
+    import torch
+
+    worst = 0.0
+    for name, b, a in (("aux_hidden_states", batched[0], alone[0]), ("hidden_state", batched[1], alone[1])):
+        b32, a32 = b.to(torch.float32), a.to(torch.float32)
+        if b32.shape != a32.shape:
+            raise RerunMismatchError(f"{shard_name}: sample {sample_id!r}: {name} re-run alone has shape "
+                                     f"{tuple(a32.shape)}, batched {tuple(b32.shape)}")
+        diff = (a32 - b32).abs()
+        rms = float(b32.pow(2).mean().sqrt()) if b32.numel() else 0.0
+        limit = rtol * (b32.abs() + rms)
+        worst = max(worst, float(diff.max()) if diff.numel() else 0.0)
+        if bool((diff > limit).any()):
+            raise RerunMismatchError(
+                f"{shard_name}: sample {sample_id!r}: {name} re-run alone differs from its batched result by up to "
+                f"{float(diff.max()):.3g} (tolerance {rtol:.3g} x (|value| + rms {rms:.3g})): batching changes the "
+                "values (padding or attention mask bug?)")
+    return {"sample": sample_id, "max_abs_diff": worst, "rtol": rtol}
