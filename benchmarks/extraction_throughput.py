@@ -9,8 +9,13 @@ run, right before or after its extraction forward, alternating; extraction time 
 the run minus the bare forwards), so load from other processes on a shared machine hits both
 alike. Prints tokens/s of each and extract/bare (median of --repeats; target >= 0.85), then the
 bytes written per token
-against the theoretical minimum tokens x (n_layers + 1) x H x dtype size (+ the token id and loss
-mask every trainer needs), target within 1%.
+against the theoretical minimum tokens x (n_layers + 1) x H x dtype size (+ 4 bytes of scale per token
+and layer for float8_e4m3fn; + the token id and loss mask every trainer needs), target within 1%.
+
+Then the storage dtypes compared on the same tokens (issue 12 point 6): bfloat16 and float8_e4m3fn
+(per-token scale) extractions, with per layer the relative error of the dequantized FP8 values against
+the bf16 ones (||fp8 - bf16|| / ||bf16|| over every stored value of the layer; also the max over tokens
+of the per-token relative error), and each dtype's bytes per token against its minimum.
 
 Usage: python benchmarks/extraction_throughput.py [--samples 96] [--dtype float32] [--threads 2]
        [--weights DIR] [--device cpu|cuda] [--compute-dtype auto|bfloat16] [--batch-tokens 4096]
@@ -53,7 +58,9 @@ def make_tokens(d: Path, vocab: int, samples: int, shards: int, seed: int = 0) -
 
 class PairedBackend:
     """Wraps an HFBackend: every extraction batch also runs the bare forward of the same padded
-    batch (timed into ``bare_s``), alternately before and after the extraction forward."""
+    batch (timed into ``bare_s``), alternately before and after the extraction forward. The sanity
+    check's re-run of one sample per shard (a sample already seen, alone) has no bare twin: it is
+    extraction overhead."""
 
     def __new__(cls, inner):
         from eagledata.extract.base import ExtractionBackend
@@ -65,7 +72,7 @@ class PairedBackend:
                 self.inner = inner
                 for k in ("num_layers", "hidden_size", "vocab_size", "layers", "final_norm", "compute_dtype"):
                     setattr(self, k, getattr(inner, k))
-                self.bare_s, self.tokens, self._k = 0.0, 0, 0
+                self.bare_s, self.tokens, self._k, self._seen = 0.0, 0, 0, set()
 
             def _bare(self, seqs):
                 import torch
@@ -90,6 +97,11 @@ class PairedBackend:
                 self.tokens += sum(lens)
 
             def forward(self, seqs, out_dtype):
+                keys = [hash(tuple(x.tolist())) for x in seqs]
+                if len(seqs) == 1 and keys[0] in self._seen:
+                    # the sanity check's re-run of a sample alone: extraction overhead, no bare twin
+                    return self.inner.forward(seqs, out_dtype)
+                self._seen.update(keys)
                 self._k += 1
                 if self._k % 2:
                     self._bare(seqs)
@@ -99,6 +111,70 @@ class PairedBackend:
                 return out
 
         return _Paired()
+
+
+def min_hidden_bytes_per_token(n_layers: int, hidden: int, dtype: str) -> int:
+    """Hidden-state bytes per token: (n_layers + 1) x H x item size, plus the float32 per-token scale of
+    each layer for FP8."""
+    from eagledata.extract.storage import ITEMSIZE
+
+    return (n_layers + 1) * (hidden * ITEMSIZE[dtype] + (4 if dtype == "float8_e4m3fn" else 0))
+
+
+def _stored_values(hidden_dir: Path) -> tuple[list, list]:
+    """Every shard's (aux [N, n, H], final [N, H]) as float32, dequantized when FP8, concatenated."""
+    import torch
+    from safetensors.torch import load_file
+
+    from eagledata.extract.fp8 import dequantize
+
+    aux, final = [], []
+    for path in sorted(hidden_dir.glob("shard-*.safetensors")):
+        t = load_file(path)
+        if "hidden_state_scale" in t:
+            aux.append(dequantize(t["aux_hidden_states"], t["aux_hidden_states_scale"]))
+            final.append(dequantize(t["hidden_state"], t["hidden_state_scale"]))
+        else:
+            aux.append(t["aux_hidden_states"].float())
+            final.append(t["hidden_state"].float())
+    return torch.cat(aux), torch.cat(final)
+
+
+def storage_comparison(tokens: Path, weights: Path, backend, args, tmp: Path) -> dict:
+    """bf16 vs FP8 storage on the same tokens: per-layer relative error of FP8 against bf16, bytes
+    per token of each against its minimum (printed and returned)."""
+    from eagledata.extract import core as ex
+
+    out, values = {}, {}
+    for dtype in ("bfloat16", "float8_e4m3fn"):
+        d = tmp / f"cmp-{dtype}"
+        m = ex.extract_dataset(tokens, d, weights, dtype=dtype, device=args.device, batch_tokens=args.batch_tokens,
+                               compute_dtype=args.compute_dtype, model=backend)
+        n, nl, h = m["tokens"], len(m["layers"]), m["hidden_size"]
+        shard_bytes = sum(s["bytes"] for s in m["shards"])
+        minimum = n * (min_hidden_bytes_per_token(nl, h, dtype) + 9)
+        out[dtype] = {"bytes_per_token": round(shard_bytes / n, 2),
+                      "min_bytes_per_token": minimum / n, "shards_over_min": round(shard_bytes / minimum, 5)}
+        values[dtype] = _stored_values(d)
+        names = [f"layer_{i}" for i in m["layers"]] + ["final"]
+    (ba, bf), (fa, ff) = values["bfloat16"], values["float8_e4m3fn"]
+    err = {}
+    for j, name in enumerate(names):
+        ref, got = (ba[:, j], fa[:, j]) if j < len(names) - 1 else (bf, ff)
+        per_token = (got - ref).norm(dim=-1) / ref.norm(dim=-1).clamp(min=1e-30)
+        err[name] = {"rel_error": float(f"{float((got - ref).norm() / ref.norm()):.4g}"),
+                     "max_token_rel_error": float(f"{float(per_token.max()):.4g}")}
+    out["fp8_vs_bf16"] = err
+    out["fp8_over_bf16_bytes"] = round(out["float8_e4m3fn"]["bytes_per_token"] / out["bfloat16"]["bytes_per_token"], 4)
+    print("storage             bytes/token   minimum   ratio    (same tokens; minimum = hidden + scales + 9 ids/mask)")
+    for dtype in ("bfloat16", "float8_e4m3fn"):
+        o = out[dtype]
+        print(f"  {dtype:<16}  {o['bytes_per_token']:>10.2f}  {o['min_bytes_per_token']:>8.1f}  {o['shards_over_min']:.5f}")
+    print(f"  fp8 / bf16 bytes  {out['fp8_over_bf16_bytes']:.4f}")
+    print("fp8 vs bf16 relative error per layer (||fp8 - bf16|| / ||bf16||; max per token):")
+    for name, e in err.items():
+        print(f"  {name:<10} {e['rel_error']:.4f}   max per token {e['max_token_rel_error']:.4f}")
+    return out
 
 
 def main() -> None:
@@ -120,8 +196,6 @@ def main() -> None:
     from eagledata.demo.model import build_demo_model
     from eagledata.extract import core as ex
     from eagledata.extract.hf import HFBackend, load_model
-    from eagledata.extract.storage import ITEMSIZE
-
     torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="eagledata-bench-"))
     weights = Path(args.weights) if args.weights else build_demo_model(tmp / "model", 4096, seed=0)
@@ -146,10 +220,10 @@ def main() -> None:
     n = paired.tokens
     assert manifest["tokens"] == n
     nl, h = len(manifest["layers"]), manifest["hidden_size"]
-    item = ITEMSIZE[args.dtype]
+    per_token_min = min_hidden_bytes_per_token(nl, h, args.dtype)
     shard_bytes = sum(s["bytes"] for s in manifest["shards"])
     all_bytes = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
-    hidden_min = n * (nl + 1) * h * item
+    hidden_min = n * per_token_min
     payload_min = hidden_min + n * (8 + 1)  # + int64 token id + int8 loss mask per token
     overhead_per_token = (all_bytes - payload_min) / n
     k25 = 4 * 7168 * 2  # 3 aux layers + final, H 7168, bf16
@@ -159,8 +233,8 @@ def main() -> None:
         "bare_forward_tokens_per_s": round(n / bare_s, 1), "extract_tokens_per_s": round(n / ext_s, 1),
         "extract_over_bare": round(bare_s / ext_s, 3),
         "extract_over_bare_all_runs": [round(r[0], 3) for r in runs],
-        "bytes_per_token": round(all_bytes / n, 2), "min_hidden_bytes_per_token": (nl + 1) * h * item,
-        "min_payload_bytes_per_token": (nl + 1) * h * item + 9,
+        "bytes_per_token": round(all_bytes / n, 2), "min_hidden_bytes_per_token": per_token_min,
+        "min_payload_bytes_per_token": per_token_min + 9,
         "shards_over_payload_min": round(shard_bytes / payload_min, 5),
         "all_files_over_payload_min": round(all_bytes / payload_min, 5),
         "all_files_over_hidden_min": round(all_bytes / hidden_min, 5),
@@ -177,6 +251,7 @@ def main() -> None:
           f"{res['all_files_over_payload_min']:.5f}   (target <= 1.01)")
     print(f"vs hidden-only min  {res['all_files_over_hidden_min']:>10.5f}   (ids + mask are 9 bytes/token; at K2.5's "
           f"{k25} bytes/token: {res['k25_projected_over_hidden_min']:.5f})")
+    res["storage"] = storage_comparison(tokens, weights, backend, args, tmp)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
     shutil.rmtree(tmp, ignore_errors=True)

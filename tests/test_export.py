@@ -275,3 +275,37 @@ def test_exports_refuse_old_format_and_bad_dtype(setup, tmp_path):
         xp.export_speculators(old, tmp_path / "a")
     with pytest.raises(ExtractionError, match="export.specforge_dtype"):
         xp.export_specforge(setup["hidden"], tmp_path / "b", dtype="int8")
+
+
+def test_exports_of_an_fp8_extraction_are_bf16(setup, tmp_path):
+    """An FP8 extraction (extraction.dtype float8_e4m3fn, per-token scales) exports in the trainer's
+    bf16: each value is the dequantized FP8 value (fp8 * scale, float32) cast to bf16; the SpecForge
+    target is the norm applied to the dequantized pre-norm state."""
+    from eagledata.extract.fp8 import dequantize
+
+    tokens = write_tokens(tmp_path / "tokens", [make_rows(11, 7, "x"), make_rows(12, 6, "y")])
+    hidden = tmp_path / "hidden"
+    ex.extract_dataset(tokens, hidden, setup["weights"], dtype="float8_e4m3fn", device="cpu", batch_tokens=120,
+                       model=setup["model"])
+    sf = xp.export_specforge(hidden, tmp_path / "specforge", draft_vocab_size=40)
+    sp = xp.export_speculators(hidden, tmp_path / "speculators", draft_vocab_size=40)
+    assert sf["source_dtype"] == sp["source_dtype"] == "float8_e4m3fn" and sf["dtype"] == sp["dtype"] == "bfloat16"
+    idx = read_index(hidden)
+    data = datasets.load_from_disk(str(tmp_path / "speculators"))
+    mapping = _mapping(tmp_path / "specforge")
+    files = dict(zip(mapping["sample"], mapping["file"]))
+    for row in idx.iter_rows(named=True):
+        t = load_file(hidden / row["shard"])
+        a, b = row["offset"], row["offset"] + row["length"]
+        aux = dequantize(t["aux_hidden_states"][a:b], t["aux_hidden_states_scale"][a:b])
+        final = dequantize(t["hidden_state"][a:b], t["hidden_state_scale"][a:b])
+        loaded = load_file(tmp_path / "speculators" / "hidden_states" / f"hs_{row['sample']}.safetensors")
+        assert loaded["hidden_states"].dtype == torch.bfloat16
+        assert torch.equal(loaded["hidden_states"][:, :-1], aux.to(torch.bfloat16))
+        assert torch.equal(loaded["hidden_states"][:, -1], final.to(torch.bfloat16))
+        assert torch.equal(loaded["token_ids"], data[row["sample"]]["input_ids"])
+        raw = torch.load(tmp_path / "specforge" / files[row["sample"]], weights_only=False)
+        assert raw["hidden_state"].dtype == raw["aux_hidden_state"].dtype == torch.bfloat16
+        assert torch.equal(raw["aux_hidden_state"][0], aux.reshape(b - a, -1).to(torch.bfloat16))
+        eps = sf["source_final_norm"]["eps"]
+        assert torch.equal(raw["hidden_state"][0], apply_final_norm(final, t["final_norm_weight"], eps, torch.bfloat16))

@@ -717,3 +717,46 @@ def test_dataset_report_counts_length_limit(tmp_path, tmp_path_factory, weights,
     text = (tmp_path / "r1.html").read_text()
     assert "max_seq_len 20 (truncate): 1 truncated, 1 skipped" in text
     tr.assert_well_formed(text)
+
+
+# --------------------------------------------------------------------------- FP8 storage (issue 12 point 6)
+
+
+def test_fp8_storage_per_token_scale(tmp_path, fp32_out, token_rows, weights, model):
+    """float8_e4m3fn shards hold e4m3 values and a float32 scale per token and layer (speculators'
+    per_token_scaled); dequantized they are the float32 extraction within e4m3's precision; the
+    size is exactly the estimate (1 byte per value + 4 per token and layer)."""
+    from eagledata.extract.fp8 import FP8_MAX, dequantize
+
+    root, ref_manifest = fp32_out
+    tokens = write_tokens(tmp_path / "tokens", token_rows)
+    m = ex.extract_dataset(tokens, tmp_path / "hidden", weights, dtype="float8_e4m3fn", device="cpu",
+                           batch_tokens=200, model=model)
+    assert m["dtype"] == "float8_e4m3fn" and "aux_hidden_states_scale" in m["tensors"]
+    for entry, ref_entry in zip(m["shards"], ref_manifest["shards"]):
+        path = tmp_path / "hidden" / entry["file"]
+        t = load_file(path)
+        ref = load_file(root / "hidden" / ref_entry["file"])
+        n = t["input_ids"].numel()
+        assert t["aux_hidden_states"].dtype == torch.float8_e4m3fn and t["hidden_state"].dtype == torch.float8_e4m3fn
+        assert t["aux_hidden_states_scale"].shape == (n, 3) and t["hidden_state_scale"].shape == (n,)
+        assert t["aux_hidden_states_scale"].dtype == torch.float32
+        aux = dequantize(t["aux_hidden_states"], t["aux_hidden_states_scale"])
+        final = dequantize(t["hidden_state"], t["hidden_state_scale"])
+        # each row's largest |value| maps to 448 exactly; e4m3 keeps 3 mantissa bits: <= 2^-4 relative
+        assert float(t["hidden_state"].float().abs().amax(-1).min()) == FP8_MAX
+        torch.testing.assert_close(aux, ref["aux_hidden_states"], rtol=2 ** -4, atol=1e-3 * 2 ** -4)
+        torch.testing.assert_close(final, ref["hidden_state"], rtol=2 ** -4, atol=1e-3 * 2 ** -4)
+        assert path.stat().st_size - estimate_shard_bytes(n, entry["samples"], 3, 64, "float8_e4m3fn") < 20000
+        with safe_open(path, "pt") as f:
+            assert f.metadata()["fp8_format"] == "per_token_scaled"
+        assert entry["checks"]["rerun"]["rtol"] == 0.5 and entry["checks"]["rms"]["final"] > 0
+    assert estimate_shard_bytes(10, 1, 3, 64, "float8_e4m3fn") == 10 * (4 * 64 + 4 * 4 + 9) + 16 + 64 * 4
+
+
+def test_fp8_is_stored_not_computed(tmp_path, token_rows, weights, model):
+    with pytest.raises(ExtractionError, match="dtype"):
+        ex.extract_dataset(write_tokens(tmp_path / "t", token_rows), tmp_path / "h", weights, model=model,
+                           dtype="float8_e5m2")
+    with pytest.raises(ExtractionError):
+        ex.check_settings("hf", "float8_e4m3fn", "float8_e4m3fn", 100)

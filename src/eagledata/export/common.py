@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from eagledata.extract.base import ExtractionError
+from eagledata.extract.fp8 import SCALES, dequantize
 from eagledata.extract.norm import FinalNorm
 from eagledata.extract.storage import FORMAT, publish_dir, read_index
 from eagledata.io import atomic_path, atomic_write_json
@@ -96,12 +97,18 @@ def iter_samples(hidden_dir: str | Path, shard: HiddenShard) -> Iterator[Sample]
     from safetensors import safe_open
 
     with safe_open(str(Path(hidden_dir) / shard.file), "pt") as f:
+        fp8 = SCALES["hidden_state"] in f.keys()
+
+        def hidden(name: str, a: int, b: int) -> Any:
+            # FP8 shards (extraction.dtype float8_e4m3fn): dequantized to float32 here, the exports cast
+            return dequantize(f.get_slice(name)[a:b], f.get_slice(SCALES[name])[a:b]) if fp8 else f.get_slice(name)[a:b]
+
         for row in shard.rows:
             a, b = row["offset"], row["offset"] + row["length"]
             yield Sample(
                 sample=row["sample"], id=row["id"], shard=row["shard"], row=row["row"],
                 input_ids=f.get_slice("input_ids")[a:b], loss_mask=f.get_slice("loss_mask")[a:b],
-                aux=f.get_slice("aux_hidden_states")[a:b], final=f.get_slice("hidden_state")[a:b],
+                aux=hidden("aux_hidden_states", a, b), final=hidden("hidden_state", a, b),
             )
 
 

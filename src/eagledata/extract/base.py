@@ -14,6 +14,8 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 DTYPES = ("float32", "bfloat16", "float16")
+#: what a shard may be stored in: :data:`DTYPES` or FP8 with a per-token scale (:mod:`eagledata.extract.fp8`)
+STORED_DTYPES = DTYPES + ("float8_e4m3fn",)
 BACKENDS = ("hf", "sglang")
 
 

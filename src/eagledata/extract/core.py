@@ -63,12 +63,14 @@ from typing import Any, Iterable, Sequence
 
 from eagledata.extract.base import (
     BACKENDS,
+    STORED_DTYPES,
     ExtractionBackend,
     ExtractionError,
     refuse_final_norm_setting,
     text_config,
     torch_dtype,
 )
+from eagledata.extract.fp8 import FORWARD_DTYPE, FP8_FORMAT, SCALES, is_fp8, stored
 from eagledata.extract.checks import ShardChecks, compare_rerun, pick_rerun_sample, rerun_rtol
 from eagledata.extract.hf import HFBackend, as_backend, load_model
 from eagledata.extract.layers import layer_semantics, resolve_layers
@@ -159,6 +161,7 @@ def shard_metadata(shard: TokenShard, src: Path, backend: ExtractionBackend, *, 
         "hidden_size": str(backend.hidden_size),
         "num_layers": str(backend.num_layers),
         "length_limit": length_limit,
+        **({"fp8_format": FP8_FORMAT, "fp8_scales": json.dumps(SCALES)} if is_fp8(dtype) else {}),
     }
 
 
@@ -171,11 +174,15 @@ def _check_vocab(shard: TokenShard, src: Path, vocab: int) -> None:
 
 
 def _fill_shard(writer: SafetensorsStreamWriter, shard: TokenShard, backend: ExtractionBackend,
-                out_dtype: Any, batch_tokens: int, shard_name: str) -> tuple[float, dict[str, Any]]:
+                dtype: str, batch_tokens: int, shard_name: str) -> tuple[float, dict[str, Any]]:
     """Write every tensor of ``shard`` through ``writer`` (forwards batch by batch, rows written on a
     background thread), checking each sample (:mod:`eagledata.extract.checks`); returns the seconds
-    spent in forwards and the checks' record (``rms`` per layer, ``rerun``)."""
+    spent in forwards and the checks' record (``rms`` per layer, ``rerun``). FP8 (``dtype``): the
+    forward hands over float32, quantized per token (:func:`eagledata.extract.fp8.stored`); the
+    checks see the dequantized values."""
     import torch
+
+    out_dtype = torch_dtype(FORWARD_DTYPE if is_fp8(dtype) else dtype)
 
     writer.write_rows("input_ids", 0, torch.from_numpy(shard.input_ids))
     writer.write_rows("loss_mask", 0, torch.from_numpy(loss_mask_for(shard.prompt_lens, shard.offsets)))
@@ -196,15 +203,15 @@ def _fill_shard(writer: SafetensorsStreamWriter, shard: TokenShard, backend: Ext
             fwd_s += time.perf_counter() - tf
             items = []
             for k, (aux, final) in zip(batch, results):
-                checks.add(shard.ids[k], aux, final)
-                kept = (aux, final) if k == rerun_k else kept
-                items.append(("aux_hidden_states", int(shard.offsets[k]), aux))
-                items.append(("hidden_state", int(shard.offsets[k]), final))
+                rows, values = stored(int(shard.offsets[k]), aux, final, dtype)
+                checks.add(shard.ids[k], *values)
+                kept = values if k == rerun_k else kept
+                items += rows
             bg.put(items)
         record: dict[str, Any] = {"rms": checks.rms(), "rerun": None}
         if rerun_k is not None and kept is not None:
-            alone = backend.forward([seq(rerun_k)], out_dtype)[0]
-            rtol = rerun_rtol(str(out_dtype).removeprefix("torch."), computed_dtype(backend))
+            alone = stored(0, *backend.forward([seq(rerun_k)], out_dtype)[0], dtype)[1]
+            rtol = rerun_rtol(dtype, computed_dtype(backend))
             record["rerun"] = compare_rerun(shard_name, shard.ids[rerun_k], kept, alone, rtol)
     except BaseException:
         with contextlib.suppress(BaseException):
@@ -251,7 +258,7 @@ def extract_shard(
     applied before any forward; the flagged samples are in ``length_limit``."""
     src, dst = Path(src), Path(dst)
     backend = as_backend(model, layers, compute_dtype)
-    out_dtype = torch_dtype(dtype)
+    check_stored_dtype(dtype)
     source_sha256 = source_sha256 or sha256_file(src)
     t0 = time.perf_counter()
     shard, flags = apply_length_limit(read_token_shard(src), max_seq_len, on_long)
@@ -267,7 +274,7 @@ def extract_shard(
     tmp = dst.with_name(f"{dst.name}.tmp-{os.getpid()}")
     writer = SafetensorsStreamWriter(tmp, shard_specs(n, s, nl, h, dtype), meta)
     try:
-        fwd_s, checked = _fill_shard(writer, shard, backend, out_dtype, batch_tokens, src.name)
+        fwd_s, checked = _fill_shard(writer, shard, backend, dtype, batch_tokens, src.name)
         writer.close()
         os.replace(tmp, dst)
     except BaseException:
@@ -314,11 +321,17 @@ def make_backend(kind: str, weights: str | Path, layers: Sequence[int] | None,
 # --------------------------------------------------------------------------- the dataset
 
 
+def check_stored_dtype(dtype: str) -> None:
+    """Raise :class:`ExtractionError` unless ``dtype`` is one shards can be stored in (:data:`STORED_DTYPES`)."""
+    if dtype not in STORED_DTYPES:
+        raise ExtractionError(f"extraction.dtype must be one of {STORED_DTYPES}, got {dtype!r}")
+
+
 def check_settings(backend: str, dtype: str, compute_dtype: str, batch_tokens: int) -> None:
     """Raise :class:`ExtractionError` for a setting no extraction can run with (before any work)."""
     if backend not in BACKENDS:
         raise ExtractionError(f"extraction backend must be one of {BACKENDS}, got {backend!r}")
-    torch_dtype(dtype)
+    check_stored_dtype(dtype)
     if compute_dtype != "auto":
         torch_dtype(compute_dtype)
     if batch_tokens < 1:
@@ -384,6 +397,8 @@ class DatasetRun:
                 "hidden_state": f"[N, {hidden}] {dtype}, before the final norm",
                 "sample_offsets": "[S+1] int64",
                 "final_norm_weight": f"[{hidden}] float32",
+                **({"aux_hidden_states_scale": f"[N, {len(layers)}] float32, per token and layer (value = fp8 * scale)",
+                    "hidden_state_scale": "[N] float32, per token"} if is_fp8(dtype) else {}),
             },
         }
 

@@ -38,8 +38,9 @@ if TYPE_CHECKING:  # pragma: no cover
 #: /2: the final state is stored before the final norm, with the norm's weight and eps (/1 stored either).
 FORMAT = "eagledata-hidden/2"
 #: safetensors dtype codes and item sizes of the dtypes a shard holds.
-ST_CODES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int64": "I64", "int8": "I8"}
-ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int8": 1}
+ST_CODES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int64": "I64", "int8": "I8",
+            "float8_e4m3fn": "F8_E4M3"}
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int8": 1, "float8_e4m3fn": 1}
 TOKEN_COLUMNS = ["id", "input_ids", "prompt_len", "completion_len", "train"]
 
 
@@ -208,8 +209,11 @@ RESUME_KEYS = ("format", "source_sha256", "layers", "dtype", "compute_dtype", "m
 
 def shard_specs(n_tokens: int, n_samples: int, n_layers: int, hidden: int, dtype: str) -> list[tuple[str, str, tuple[int, ...]]]:
     """Tensor layout of one output shard (names, dtypes, shapes); ``hidden_state`` is the final
-    state before the final norm, ``final_norm_weight`` that norm's weight (float32)."""
-    return [
+    state before the final norm, ``final_norm_weight`` that norm's weight (float32). FP8 shards add
+    the float32 per-token scales ``aux_hidden_states_scale`` [N, n_layers] and ``hidden_state_scale`` [N]."""
+    scales = [("aux_hidden_states_scale", "float32", (n_tokens, n_layers)),
+              ("hidden_state_scale", "float32", (n_tokens,))] if dtype == "float8_e4m3fn" else []
+    return scales + [
         ("input_ids", "int64", (n_tokens,)),
         ("loss_mask", "int8", (n_tokens,)),
         ("sample_offsets", "int64", (n_samples + 1,)),
