@@ -57,7 +57,7 @@ import shutil
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import polars as pl
 
@@ -435,44 +435,98 @@ def _judge(out: Path, shard_files: list[str], stats: list[SampleStats], conventi
     """Verdicts for every sample. Count mismatches get a repair search; a provider proven to strip
     leading spaces (a unique whitespace repair somewhere in the dataset) makes its exact samples
     that would also match with a space restored ambiguous. A provider whose reasoning count is not a
-    checksum (``reliability``) is judged, and its repairs searched, on the completion total alone."""
-    reliability = reliability or {}
+    checksum (``reliability``) is judged, and its repairs searched, on the completion total alone.
+    The steps (:class:`Judge`) each need
+    only one sample at a time plus what the dataset taught, so the per-shard jobs run them shard by shard."""
+    judge = Judge(conventions, reliability or {}, tokenizer, family)
+    judged = judge.first_verdicts(stats)
+    def rows() -> Iterator[tuple[int, tuple]]:
+        return enumerate(_shard_rows(out, shard_files, ["segments", "finish_reason"]))
 
-    def billed_reasoning(st: SampleStats) -> int | None:
-        return st.billed_reasoning if reasoning_checked(reliability, st.provider) else None
+    learned = judge.repair_behaviours(stats, judged, rows())
+    judge.apply_repairs(stats, judged, rows(), learned)
+    judge.whitespace_check(stats, judged, rows(), learned)
+    return judged
 
-    judged: list[Judgement] = []
-    for st in stats:
-        conv = convention_for(conventions, st.provider, st.finish_reason)
-        v, reasons = verdict(st, conv, reasoning_checked(reliability, st.provider))
-        judged.append(Judgement(v, reasons, st.completion_diff(conv if conv != "unknown" else "counts_eot")))
-    need_repair = {i for i, j in enumerate(judged) if repairable(j.reasons)}
-    # Round 1: which transformations does each provider apply? Evidence = a sample that exactly one
-    # single transformation explains.
-    learned: dict[str, set[str]] = {}
-    candidates: dict[int, tuple] = {}
-    for i, (segs, finish) in enumerate(_shard_rows(out, shard_files, ["segments", "finish_reason"])):
-        if i not in need_repair:
-            continue
-        st = stats[i]
-        conv = convention_for(conventions, st.provider, st.finish_reason)
-        parsed, thinking = _row_parsed(segs, finish), _thinking_of(segs)
-        candidates[i] = (parsed, thinking)
-        singles = [t for t in applicable_transforms(parsed)
-                   if search_repairs(parsed, tokenizer, family, st.billed_completion, billed_reasoning(st), conv,
-                                     thinking, only=(t,)).status == "unique"]
-        behaviours = {_transform_family(t) for t in singles}
-        if len(behaviours) == 1:  # stripping is one behaviour: it may hit reasoning and content alike
-            learned.setdefault(st.provider, set()).update(behaviours.pop())
-    # Round 2: each sample's candidates are the combinations of its provider's known transformations.
-    for i, (parsed, thinking) in candidates.items():
-        st = stats[i]
-        known = tuple(sorted(learned.get(st.provider, ())))
-        if not known:
-            continue
-        res = search_repairs(parsed, tokenizer, family, st.billed_completion, billed_reasoning(st),
-                             convention_for(conventions, st.provider, st.finish_reason), thinking, only=known)
-        j = judged[i]
+
+@dataclass
+class Judge:
+    """What judging a sample needs beyond the sample: the dataset's learned conventions and
+    reasoning-count reliability, the tokenizer and family (repair candidates are re-encoded)."""
+
+    conventions: Mapping[str, Mapping]
+    reliability: Mapping[str, Mapping]
+    tokenizer: Tokenizer
+    family: ModelFamily
+
+    def _billed_reasoning(self, st: SampleStats) -> int | None:
+        return st.billed_reasoning if reasoning_checked(self.reliability, st.provider) else None
+
+    def _conv(self, st: SampleStats) -> str:
+        return convention_for(self.conventions, st.provider, st.finish_reason)
+
+    def first_verdicts(self, stats: Sequence[SampleStats]) -> list[Judgement]:
+        """Each sample under its provider's convention, before any repair."""
+        judged = []
+        for st in stats:
+            conv = self._conv(st)
+            v, reasons = verdict(st, conv, reasoning_checked(self.reliability, st.provider))
+            judged.append(Judgement(v, reasons, st.completion_diff(conv if conv != "unknown" else "counts_eot")))
+        return judged
+
+    def repair_behaviours(self, stats: Sequence[SampleStats], judged: Sequence[Judgement],
+                          rows: Iterable[tuple[int, tuple]]) -> dict[str, set[str]]:
+        """Round 1: which transformations does each provider apply? Evidence = a sample that exactly
+        one single transformation explains. ``rows``: (sample index, (segments, finish_reason)); only
+        samples needing a repair are searched. The union over shards is the dataset's."""
+        learned: dict[str, set[str]] = {}
+        for i, (segs, finish) in rows:
+            if not repairable(judged[i].reasons):
+                continue
+            st = stats[i]
+            parsed, thinking = _row_parsed(segs, finish), _thinking_of(segs)
+            singles = [t for t in applicable_transforms(parsed)
+                       if search_repairs(parsed, self.tokenizer, self.family, st.billed_completion,
+                                         self._billed_reasoning(st), self._conv(st), thinking,
+                                         only=(t,)).status == "unique"]
+            behaviours = {_transform_family(t) for t in singles}
+            if len(behaviours) == 1:  # stripping is one behaviour: it may hit reasoning and content alike
+                learned.setdefault(st.provider, set()).update(behaviours.pop())
+        return learned
+
+    def apply_repairs(self, stats: Sequence[SampleStats], judged: Sequence[Judgement],
+                      rows: Iterable[tuple[int, tuple]], learned: Mapping[str, Iterable[str]]) -> None:
+        """Round 2: each sample needing a repair gets the combinations of its provider's known
+        transformations (``learned``: the union of :meth:`repair_behaviours` over the dataset)."""
+        for i, (segs, finish) in rows:
+            st, j = stats[i], judged[i]
+            if repairable(j.reasons):
+                known = tuple(sorted(learned.get(st.provider, ())))
+                if known:
+                    self._repair(st, j, _row_parsed(segs, finish), _thinking_of(segs), known)
+
+    def whitespace_check(self, stats: Sequence[SampleStats], judged: Sequence[Judgement],
+                         rows: Iterable[tuple[int, tuple]], learned: Mapping[str, Iterable[str]]) -> None:
+        """After round 2: for a provider proven to strip leading spaces, an exact sample that also
+        matches with a space restored is ambiguous."""
+        strippers = {p for p, ts in learned.items() if set(ts) & {WHITESPACE_REASONING, WHITESPACE_CONTENT}}
+        if not strippers:
+            return
+        for i, (segs, finish) in rows:
+            st, j = stats[i], judged[i]
+            if j.verdict != "exact" or st.provider not in strippers:
+                continue
+            res = search_repairs(_row_parsed(segs, finish), self.tokenizer, self.family, st.billed_completion,
+                                 self._billed_reasoning(st), self._conv(st), _thinking_of(segs),
+                                 only=(WHITESPACE_REASONING, WHITESPACE_CONTENT))
+            if res.status in ("unique", "ambiguous"):
+                j.reasons.append("whitespace_ambiguous")
+                j.verdict = verdict_of(j.reasons)
+                j.repair = res
+
+    def _repair(self, st: SampleStats, j: Judgement, parsed, thinking: bool, known: tuple[str, ...]) -> None:
+        res = search_repairs(parsed, self.tokenizer, self.family, st.billed_completion, self._billed_reasoning(st),
+                             self._conv(st), thinking, only=known)
         j.repair = res
         if res.status == "unique":
             kept = [c for c in j.reasons if c not in COUNT_CODES]
@@ -482,21 +536,6 @@ def _judge(out: Path, shard_files: list[str], stats: list[SampleStats], conventi
         elif res.status == "ambiguous":
             j.reasons.append("repair_ambiguous")
             j.verdict = verdict_of(j.reasons)
-    strippers = {p for p, ts in learned.items() if ts & {WHITESPACE_REASONING, WHITESPACE_CONTENT}}
-    if strippers:
-        need_ws_check = {i for i, j in enumerate(judged) if j.verdict == "exact" and stats[i].provider in strippers}
-        for i, (segs, finish) in enumerate(_shard_rows(out, shard_files, ["segments", "finish_reason"])):
-            if i not in need_ws_check:
-                continue
-            st = stats[i]
-            res = search_repairs(_row_parsed(segs, finish), tokenizer, family, st.billed_completion, billed_reasoning(st),
-                                 convention_for(conventions, st.provider, st.finish_reason), _thinking_of(segs),
-                                 only=(WHITESPACE_REASONING, WHITESPACE_CONTENT))
-            if res.status in ("unique", "ambiguous"):
-                judged[i].reasons.append("whitespace_ambiguous")
-                judged[i].verdict = verdict_of(judged[i].reasons)
-                judged[i].repair = res
-    return judged
 
 
 def _transform_family(transform: str) -> tuple[str, ...]:
