@@ -48,8 +48,8 @@ from eagledata.tokens import summaries
 from eagledata.tokens.planfile import plan_keys, read_plan
 from eagledata.tokens.checks import SampleStats, repairable
 from eagledata.tokens.policy import resolve_policy
-from eagledata.tokens.shards import (_PASS1_SCHEMA, MAX_SHARD_FACTOR, Judge, ResponsesFileError, _checked, _index_records,
-                                     _Learned, _prune, _publish, _reconstruct, _transformations_seen, _with_verdicts,
+from eagledata.tokens.shards import (PASS1_SCHEMA, MAX_SHARD_FACTOR, Judge, ResponsesFileError, checked_record, index_records,
+                                     Learned, prune_shards, publish_shard, reconstruct_sample, transformations_seen, with_verdicts,
                                      shard_groups, shard_name)
 
 PLAN_VERSION = 1
@@ -57,7 +57,7 @@ SHARDING_RULE = "ids sorted; a shard starts at each id with int(sha256(id), 16) 
 #: Columns a part carries beyond the final shard's first columns (dropped when judged).
 _STATS_SCHEMA: Mapping[str, Any] = {"has_eot": pl.Boolean, "codes": pl.List(pl.Utf8), "has_tools": pl.Boolean,
                                     "prompt_alt": pl.Utf8}
-PART_SCHEMA: Mapping[str, Any] = {**_PASS1_SCHEMA, **_STATS_SCHEMA}
+PART_SCHEMA: Mapping[str, Any] = {**PASS1_SCHEMA, **_STATS_SCHEMA}
 
 
 def shard_key(first_id: str) -> str:
@@ -76,7 +76,7 @@ def work_paths(work_dir: str | Path, key: str) -> dict[str, Path]:
 def plan_shards(responses_path: str | Path, plan_path: str | Path, slices_dir: str | Path, dataset: str,
                 shard_size: int) -> dict[str, Any]:
     """Write the plan and the slices (see the module docstring); return the plan."""
-    entries = _index_records(responses_path, dataset)
+    entries = index_records(responses_path, dataset)
     groups = [g for g in shard_groups(list(entries), shard_size) if g]
     slices = Path(slices_dir)
     slices.mkdir(parents=True, exist_ok=True)
@@ -122,7 +122,7 @@ def iter_slice(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
     with open(path, "rb") as fh:
         for n, raw in enumerate(fh, 1):
             sid_json, _, line = raw.rstrip(b"\n").partition(b"\t")
-            yield json.loads(sid_json), _checked(json.loads(line.decode("utf-8")), f"{path}:{n}")
+            yield json.loads(sid_json), checked_record(json.loads(line.decode("utf-8")), f"{path}:{n}")
 
 
 # 2. reconstruction ---------------------------------------------------------------------------------
@@ -132,7 +132,7 @@ def reconstruct_shard(slice_path: str | Path, part_path: str | Path, summary_pat
     """One shard's samples -> its part and summary; returns the summary."""
     rows, stats = [], []
     for sid, rec in iter_slice(slice_path):
-        st, row = _reconstruct(rec, sid, tokenizer, family, template)
+        st, row = reconstruct_sample(rec, sid, tokenizer, family, template)
         row.update(has_eot=st.has_eot, codes=st.codes, has_tools=st.has_tools,
                    prompt_alt=json.dumps(st.prompt_alt) if st.prompt_alt is not None else None)
         rows.append(row)
@@ -213,7 +213,7 @@ def judge_shard(part_path: str | Path, conventions_path: str | Path, store_dir: 
 
     judge.apply_repairs(stats, judged, rows(), known)
     judge.whitespace_check(stats, judged, rows(), known)
-    df = _with_verdicts(part.drop(list(_STATS_SCHEMA)), stats, judged, 0, learned["variants"], resolve_policy(policy))
+    df = with_verdicts(part.drop(list(_STATS_SCHEMA)), stats, judged, 0, learned["variants"], resolve_policy(policy))
     store = Path(store_dir)
     store.mkdir(parents=True, exist_ok=True)
     tmp = store / f".judge-{Path(part_path).stem}.parquet.tmp-{os.getpid()}"
@@ -230,7 +230,7 @@ def judge_shard(part_path: str | Path, conventions_path: str | Path, store_dir: 
     ids = df["id"]
     entry = {"file": dest.name, "rows": df.height, "sha256": sha, "first_id": ids[0] if df.height else None,
              "last_id": ids[-1] if df.height else None, "kept": kept,
-             "transformations_seen": _transformations_seen(stats, judged)}
+             "transformations_seen": transformations_seen(stats, judged)}
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out_path, entry)
     return entry
@@ -255,7 +255,7 @@ def gather_manifest(plan_path: str | Path, judged_paths: Sequence[str | Path], c
             c = seen.setdefault(provider, {})
             for code, n in counts.items():
                 c[code] = c.get(code, 0) + n
-    report = _Learned(conventions, learned["reliability"], learned["variants"])
+    report = Learned(conventions, learned["reliability"], learned["variants"])
     for provider, c in seen.items():
         conventions[provider]["transformations_seen"] = c
     report.conventions = conventions
@@ -265,7 +265,7 @@ def gather_manifest(plan_path: str | Path, judged_paths: Sequence[str | Path], c
         conventions[provider]["prompt_rendering"] = v
     shards = [{k: e[k] for k in ("file", "rows", "sha256", "first_id", "last_id")} for e in entries]
     for s in shards:
-        _publish(store / s["file"], out / s["file"], s["sha256"])
+        publish_shard(store / s["file"], out / s["file"], s["sha256"])
     admitted = resolve_policy(policy)
     manifest = {
         "dataset": plan["dataset"], "source": plan["source"], "source_sha256": plan["source_sha256"],
@@ -279,8 +279,8 @@ def gather_manifest(plan_path: str | Path, judged_paths: Sequence[str | Path], c
     }
     atomic_write_json(out / "manifest.json", manifest)
     names = [s["file"] for s in shards]
-    _prune(out, names)
-    _prune(store, names)
+    prune_shards(out, names)
+    prune_shards(store, names)
     return manifest
 
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-from eagledata.tokens.checks import CONVENTIONS, EXCLUDES_EOT, COUNTS_EOT, REASONS, SampleStats, _pick, convention_for
-from eagledata.tokens.learning import JSON_TOOLS, MIN_VARIANT_SAMPLES, _diff_under, variant_name
+from eagledata.tokens.checks import CONVENTIONS, EXCLUDES_EOT, COUNTS_EOT, REASONS, SampleStats, pick_convention, convention_for
+from eagledata.tokens.learning import JSON_TOOLS, MIN_VARIANT_SAMPLES, diff_under, variant_name
 
 SUMMARY_VERSION = 1
 _RENDERINGS = ("canonical", JSON_TOOLS)
@@ -65,7 +65,7 @@ def summarize(stats: Iterable[SampleStats]) -> dict[str, Any]:
             p = prompts.setdefault(_sep(s.provider, int(s.has_tools)), {"n": 0, **{r: [] for r in _RENDERINGS}})
             p["n"] += 1
             for r in _RENDERINGS:
-                _add_diffs(p[r], [_diff_under(s, r)])
+                _add_diffs(p[r], [diff_under(s, r)])
     return {"version": SUMMARY_VERSION, "rows": rows, "conventions": conv, "by_finish": by_finish,
             "reasoning": reasoning, "prompts": prompts}
 
@@ -124,7 +124,7 @@ def learn(summary: Mapping[str, Any]) -> tuple[dict[str, dict], dict[str, dict],
 
 def _pick_counts(c: Mapping[str, int]) -> str:
     from collections import Counter
-    return _pick(Counter({k: n for k, n in c.items() if n}))
+    return pick_convention(Counter({k: n for k, n in c.items() if n}))
 
 
 def _reliability(groups: Mapping[str, list], conventions: Mapping[str, Mapping]) -> dict[str, dict[str, Any]]:
