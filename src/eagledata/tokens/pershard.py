@@ -104,9 +104,9 @@ def plan_shards(responses_path: str | Path, plan_path: str | Path, slices_dir: s
             "source_sha256": digest.hexdigest(), "rows": len(entries),
             "sharding": {"rule": SHARDING_RULE, "shard_size": shard_size, "max_rows": MAX_SHARD_FACTOR * shard_size,
                          "key": "sha256(first id)[:16]"},
-            "slices_written": written, "shards": shards}
+            "shards": shards}
     atomic_write_json(plan_path, plan)
-    return plan
+    return {**plan, "slices_written": written}
 
 
 def _write_if_changed(path: Path, data: bytes) -> int:
