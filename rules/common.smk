@@ -5,6 +5,7 @@ from pathlib import Path
 from eagledata.codeinputs import package_dir_for, stage_code
 from eagledata.config import dataset_settings, validate_config
 from eagledata.generate.ruleinputs import GenerateRuleInputs
+from eagledata.tokens.planfile import plan_keys
 
 validate_config(config, "config")  # same defaults and cross-checks as the library
 
@@ -78,6 +79,7 @@ def all_targets():
 
 
 _clashes = set(DATASETS) & {"all", "generate", "import_responses", "tokens", "validate", "extract",
+                             "token_plan", "token_shard", "token_learn", "token_repairs", "token_judge",
                              "demo_tokenizer", "demo_model", "report", "report_dataset", "export"}
 if _clashes:
     raise ValueError(f"config: dataset name(s) {sorted(_clashes)} clash with rule names; rename them")
@@ -85,6 +87,27 @@ if _clashes:
 
 wildcard_constraints:
     dataset=regex_of(DATASETS),
+    shard="[0-9a-f]{16}",
+
+
+# The tokens stage's per-shard work (rules/tokens.smk, eagledata.tokens.pershard).
+TOKENS_WORK = f"{RESULTS}/{{dataset}}/tokens.work"
+
+
+def token_shard_keys(wildcards):
+    """The shard keys of the dataset's plan (the checkpoint token_plan's output)."""
+    plan = checkpoints.token_plan.get(dataset=wildcards.dataset).output.plan
+    return plan_keys(plan)
+
+
+def token_summaries(wildcards):
+    work = TOKENS_WORK.format(dataset=wildcards.dataset)
+    return [f"{work}/parts/{k}.summary.json" for k in token_shard_keys(wildcards)]
+
+
+def token_judged(wildcards):
+    work = TOKENS_WORK.format(dataset=wildcards.dataset)
+    return [f"{work}/judged/{k}.json" for k in token_shard_keys(wildcards)]
 
 
 def _validation_setting(wildcards, key):

@@ -256,14 +256,14 @@ def learn_conventions(stats: Iterable[SampleStats]) -> dict[str, dict]:
                 f[conv] += 1
     out: dict[str, dict] = {}
     for provider, c in support.items():
-        out[provider] = {"convention": _pick(c), "support": dict(c), "by_finish": {}}
+        out[provider] = {"convention": pick_convention(c), "support": dict(c), "by_finish": {}}
     for (provider, finish), c in by_finish.items():
         if c:
-            out[provider]["by_finish"][finish] = {"convention": _pick(c), "support": dict(c)}
+            out[provider]["by_finish"][finish] = {"convention": pick_convention(c), "support": dict(c)}
     return out
 
 
-def _pick(c: Counter) -> str:
+def pick_convention(c: Counter) -> str:
     if not c:
         return "unknown"
     return max(CONVENTIONS, key=lambda k: (c[k], k == COUNTS_EOT))

@@ -82,7 +82,7 @@ def _one_variant(rows: list[SampleStats]) -> dict[str, Any]:
     with_tools = sum(s.has_tools for s in rows)
     base = {"samples": len(rows), "with_tools": with_tools, "without_tools": len(rows) - with_tools}
     for rendering in ("canonical", JSON_TOOLS):
-        diffs = {_diff_under(s, rendering) for s in rows}
+        diffs = {diff_under(s, rendering) for s in rows}
         if len(diffs) != 1 or None in diffs:
             continue
         offset = diffs.pop()
@@ -94,7 +94,7 @@ def _one_variant(rows: list[SampleStats]) -> dict[str, Any]:
     return {"variant": None, "rendering": None, "offset": None, **base}
 
 
-def _diff_under(s: SampleStats, rendering: str) -> int | None:
+def diff_under(s: SampleStats, rendering: str) -> int | None:
     """Ours minus billed under ``rendering`` (``None``: that rendering was not measured)."""
     if rendering == "canonical" or not s.has_tools:
         return s.prompt_diff
@@ -120,4 +120,4 @@ def sample_variant(variants: Mapping[str, Mapping[str, Any]], s: SampleStats) ->
         v = (v.get("groups") or {}).get("with_tools" if s.has_tools else "without_tools") or {}
         if not v.get("variant"):
             return None
-    return v["variant"] if _diff_under(s, v["rendering"]) == v["offset"] else None
+    return v["variant"] if diff_under(s, v["rendering"]) == v["offset"] else None

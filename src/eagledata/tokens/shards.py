@@ -57,7 +57,7 @@ import shutil
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import polars as pl
 
@@ -112,10 +112,10 @@ def iter_records(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yield (line number, record) of a responses JSONL (any shape :func:`normalize_response_line`
     accepts); bad lines raise naming file:line:field."""
     for lineno, where, rec in iter_json_lines(path, ResponsesFileError, "responses file"):
-        yield lineno, _checked(rec, where)
+        yield lineno, checked_record(rec, where)
 
 
-def _checked(rec: dict[str, Any], where: str) -> dict[str, Any]:
+def checked_record(rec: dict[str, Any], where: str) -> dict[str, Any]:
     rec = normalize_response_line(rec)
     for key in ("request", "response_raw"):
         if key not in rec:
@@ -168,7 +168,7 @@ def build_token_shards(
     store = Path(store_dir) if store_dir is not None else out
     store.mkdir(parents=True, exist_ok=True)
     admitted = resolve_policy(policy)
-    entries = _index_records(responses_path, dataset)
+    entries = index_records(responses_path, dataset)
     groups = shard_groups(list(entries), shard_size)
     scratch = store / f".work-{os.getpid()}"
     shutil.rmtree(scratch, ignore_errors=True)
@@ -178,7 +178,7 @@ def build_token_shards(
         # Learned over the whole dataset, from the samples in file order.
         file_order = sorted(range(len(stats)), key=linenos.__getitem__)
         file_stats = [stats[i] for i in file_order]
-        learned = _Learned.of(file_stats)
+        learned = Learned.of(file_stats)
         judged = _judge(scratch, parts, stats, learned.conventions, tokenizer, family, learned.reliability)
         result = TokenStageResult({}, file_stats)
         shards_meta = _write_shards(scratch, parts, store, stats, judged, learned.variants, admitted, result)
@@ -187,7 +187,7 @@ def build_token_shards(
     names = [s["file"] for s in shards_meta]
     if store != out:
         for s in shards_meta:
-            _publish(store / s["file"], out / s["file"], s["sha256"])
+            publish_shard(store / s["file"], out / s["file"], s["sha256"])
     conventions = learned.report(file_stats, [judged[i] for i in file_order])
     manifest = {
         "dataset": dataset,
@@ -206,14 +206,14 @@ def build_token_shards(
         "shards": shards_meta,
     }
     atomic_write_json(out / "manifest.json", manifest)
-    _prune(out, names)
+    prune_shards(out, names)
     if store != out:
-        _prune(store, names)
+        prune_shards(store, names)
     result.manifest = manifest
     return result
 
 
-def _index_records(responses_path: str | Path, dataset: str) -> dict[str, _Entry]:
+def index_records(responses_path: str | Path, dataset: str) -> dict[str, _Entry]:
     """Pass 1: every record's id and where its line starts (ids must be unique)."""
     offsets = _line_offsets(responses_path)
     entries: dict[str, _Entry] = {}
@@ -238,18 +238,18 @@ def _reconstruct_parts(responses_path: str | Path, entries: Mapping[str, _Entry]
             for sid in group:
                 e = entries[sid]
                 fh.seek(e.offset)
-                rec = _checked(json.loads(fh.readline().decode("utf-8")), f"{responses_path}:{e.lineno}")
-                st, row = _reconstruct(rec, sid, tokenizer, family, template)
+                rec = checked_record(json.loads(fh.readline().decode("utf-8")), f"{responses_path}:{e.lineno}")
+                st, row = reconstruct_sample(rec, sid, tokenizer, family, template)
                 stats.append(st)
                 linenos.append(e.lineno)
                 rows.append(row)
             parts.append(f"part-{k:06d}.parquet")
-            pl.DataFrame(rows, schema=_PASS1_SCHEMA).write_parquet(scratch / parts[-1], compression="zstd")
+            pl.DataFrame(rows, schema=PASS1_SCHEMA).write_parquet(scratch / parts[-1], compression="zstd")
     return stats, linenos, parts
 
 
 @dataclass
-class _Learned:
+class Learned:
     """What the dataset's samples teach about each provider."""
 
     conventions: dict[str, dict]
@@ -257,14 +257,14 @@ class _Learned:
     variants: dict[str, dict]
 
     @classmethod
-    def of(cls, stats: list[SampleStats]) -> "_Learned":
+    def of(cls, stats: list[SampleStats]) -> "Learned":
         conventions = learn_conventions(stats)
         return cls(conventions, learn_reasoning_reliability(stats, conventions), learn_prompt_variants(stats))
 
     def report(self, stats: list[SampleStats], judged: list[Judgement]) -> dict[str, dict]:
         """The manifest's ``conventions``: per provider, everything learned, with what repairs saw."""
         conventions = self.conventions
-        for provider, seen in _transformations_seen(stats, judged).items():
+        for provider, seen in transformations_seen(stats, judged).items():
             conventions[provider]["transformations_seen"] = seen
         for provider, r in self.reliability.items():
             conventions[provider]["reasoning_count"] = r
@@ -279,7 +279,7 @@ def _write_shards(scratch: Path, parts: list[str], store: Path, stats: list[Samp
     shards_meta: list[dict[str, Any]] = []
     i = 0
     for k, part in enumerate(parts):
-        df = _with_verdicts(pl.read_parquet(scratch / part), stats, judged, i, variants, admitted)
+        df = with_verdicts(pl.read_parquet(scratch / part), stats, judged, i, variants, admitted)
         i += df.height
         tmp = scratch / f"final-{k:06d}.parquet"
         df.write_parquet(tmp, compression="zstd")
@@ -298,7 +298,7 @@ def _write_shards(scratch: Path, parts: list[str], store: Path, stats: list[Samp
     return shards_meta
 
 
-def _reconstruct(rec: dict[str, Any], sid: str, tokenizer: Tokenizer, family: ModelFamily,
+def reconstruct_sample(rec: dict[str, Any], sid: str, tokenizer: Tokenizer, family: ModelFamily,
                  template: str | None) -> tuple[SampleStats, dict[str, Any]]:
     sample = tokenize_record(rec, tokenizer, family, sid, template)
     st = sample_stats(sample, tokenizer, family)
@@ -317,7 +317,7 @@ def _reconstruct(rec: dict[str, Any], sid: str, tokenizer: Tokenizer, family: Mo
     }
 
 
-def _with_verdicts(df: pl.DataFrame, stats: Sequence[SampleStats], judged: Sequence["Judgement"], start: int,
+def with_verdicts(df: pl.DataFrame, stats: Sequence[SampleStats], judged: Sequence["Judgement"], start: int,
                    variants: Mapping[str, Any], admitted: Policy) -> pl.DataFrame:
     """A scratch part with its verdict columns (its first row is sample ``start`` of ``stats``/``judged``)."""
     cols: dict[str, list] = {k: [] for k in ("completion_diff", "prompt_diff", "verdict", "completion_verdict",
@@ -360,7 +360,7 @@ def _with_verdicts(df: pl.DataFrame, stats: Sequence[SampleStats], judged: Seque
     )
 
 
-def _publish(src: Path, dst: Path, sha: str) -> None:
+def publish_shard(src: Path, dst: Path, sha: str) -> None:
     """``dst`` = ``src`` (a hard link; a copy keeping the mtime where linking fails), left alone when it
     already is that file or a copy of it."""
     if dst.is_file():
@@ -374,7 +374,7 @@ def _publish(src: Path, dst: Path, sha: str) -> None:
             shutil.copy2(src, tmp)
 
 
-def _prune(directory: Path, keep: Sequence[str]) -> None:
+def prune_shards(directory: Path, keep: Sequence[str]) -> None:
     """Remove shard files not in ``keep`` and scratch directories of earlier (killed) runs."""
     keep = set(keep)
     for p in directory.iterdir():
@@ -384,7 +384,7 @@ def _prune(directory: Path, keep: Sequence[str]) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-_PASS1_SCHEMA: Mapping[str, Any] = {
+PASS1_SCHEMA: Mapping[str, Any] = {
     "id": pl.Utf8, "provider": pl.Utf8, "model": pl.Utf8, "finish_reason": pl.Utf8, "status": pl.Int32,
     "input_ids": pl.List(pl.Int64), "prompt_len": pl.Int32, "completion_len": pl.Int32, "reasoning_len": pl.Int32,
     "billed_prompt": pl.Int64, "billed_completion": pl.Int64, "billed_reasoning": pl.Int64,
@@ -435,44 +435,98 @@ def _judge(out: Path, shard_files: list[str], stats: list[SampleStats], conventi
     """Verdicts for every sample. Count mismatches get a repair search; a provider proven to strip
     leading spaces (a unique whitespace repair somewhere in the dataset) makes its exact samples
     that would also match with a space restored ambiguous. A provider whose reasoning count is not a
-    checksum (``reliability``) is judged, and its repairs searched, on the completion total alone."""
-    reliability = reliability or {}
+    checksum (``reliability``) is judged, and its repairs searched, on the completion total alone.
+    The steps (:class:`Judge`) each need
+    only one sample at a time plus what the dataset taught, so the per-shard jobs run them shard by shard."""
+    judge = Judge(conventions, reliability or {}, tokenizer, family)
+    judged = judge.first_verdicts(stats)
+    def rows() -> Iterator[tuple[int, tuple]]:
+        return enumerate(_shard_rows(out, shard_files, ["segments", "finish_reason"]))
 
-    def billed_reasoning(st: SampleStats) -> int | None:
-        return st.billed_reasoning if reasoning_checked(reliability, st.provider) else None
+    learned = judge.repair_behaviours(stats, judged, rows())
+    judge.apply_repairs(stats, judged, rows(), learned)
+    judge.whitespace_check(stats, judged, rows(), learned)
+    return judged
 
-    judged: list[Judgement] = []
-    for st in stats:
-        conv = convention_for(conventions, st.provider, st.finish_reason)
-        v, reasons = verdict(st, conv, reasoning_checked(reliability, st.provider))
-        judged.append(Judgement(v, reasons, st.completion_diff(conv if conv != "unknown" else "counts_eot")))
-    need_repair = {i for i, j in enumerate(judged) if repairable(j.reasons)}
-    # Round 1: which transformations does each provider apply? Evidence = a sample that exactly one
-    # single transformation explains.
-    learned: dict[str, set[str]] = {}
-    candidates: dict[int, tuple] = {}
-    for i, (segs, finish) in enumerate(_shard_rows(out, shard_files, ["segments", "finish_reason"])):
-        if i not in need_repair:
-            continue
-        st = stats[i]
-        conv = convention_for(conventions, st.provider, st.finish_reason)
-        parsed, thinking = _row_parsed(segs, finish), _thinking_of(segs)
-        candidates[i] = (parsed, thinking)
-        singles = [t for t in applicable_transforms(parsed)
-                   if search_repairs(parsed, tokenizer, family, st.billed_completion, billed_reasoning(st), conv,
-                                     thinking, only=(t,)).status == "unique"]
-        behaviours = {_transform_family(t) for t in singles}
-        if len(behaviours) == 1:  # stripping is one behaviour: it may hit reasoning and content alike
-            learned.setdefault(st.provider, set()).update(behaviours.pop())
-    # Round 2: each sample's candidates are the combinations of its provider's known transformations.
-    for i, (parsed, thinking) in candidates.items():
-        st = stats[i]
-        known = tuple(sorted(learned.get(st.provider, ())))
-        if not known:
-            continue
-        res = search_repairs(parsed, tokenizer, family, st.billed_completion, billed_reasoning(st),
-                             convention_for(conventions, st.provider, st.finish_reason), thinking, only=known)
-        j = judged[i]
+
+@dataclass
+class Judge:
+    """What judging a sample needs beyond the sample: the dataset's learned conventions and
+    reasoning-count reliability, the tokenizer and family (repair candidates are re-encoded)."""
+
+    conventions: Mapping[str, Mapping]
+    reliability: Mapping[str, Mapping]
+    tokenizer: Tokenizer
+    family: ModelFamily
+
+    def _billed_reasoning(self, st: SampleStats) -> int | None:
+        return st.billed_reasoning if reasoning_checked(self.reliability, st.provider) else None
+
+    def _conv(self, st: SampleStats) -> str:
+        return convention_for(self.conventions, st.provider, st.finish_reason)
+
+    def first_verdicts(self, stats: Sequence[SampleStats]) -> list[Judgement]:
+        """Each sample under its provider's convention, before any repair."""
+        judged = []
+        for st in stats:
+            conv = self._conv(st)
+            v, reasons = verdict(st, conv, reasoning_checked(self.reliability, st.provider))
+            judged.append(Judgement(v, reasons, st.completion_diff(conv if conv != "unknown" else "counts_eot")))
+        return judged
+
+    def repair_behaviours(self, stats: Sequence[SampleStats], judged: Sequence[Judgement],
+                          rows: Iterable[tuple[int, tuple]]) -> dict[str, set[str]]:
+        """Round 1: which transformations does each provider apply? Evidence = a sample that exactly
+        one single transformation explains. ``rows``: (sample index, (segments, finish_reason)); only
+        samples needing a repair are searched. The union over shards is the dataset's."""
+        learned: dict[str, set[str]] = {}
+        for i, (segs, finish) in rows:
+            if not repairable(judged[i].reasons):
+                continue
+            st = stats[i]
+            parsed, thinking = _row_parsed(segs, finish), _thinking_of(segs)
+            singles = [t for t in applicable_transforms(parsed)
+                       if search_repairs(parsed, self.tokenizer, self.family, st.billed_completion,
+                                         self._billed_reasoning(st), self._conv(st), thinking,
+                                         only=(t,)).status == "unique"]
+            behaviours = {_transform_family(t) for t in singles}
+            if len(behaviours) == 1:  # stripping is one behaviour: it may hit reasoning and content alike
+                learned.setdefault(st.provider, set()).update(behaviours.pop())
+        return learned
+
+    def apply_repairs(self, stats: Sequence[SampleStats], judged: Sequence[Judgement],
+                      rows: Iterable[tuple[int, tuple]], learned: Mapping[str, Iterable[str]]) -> None:
+        """Round 2: each sample needing a repair gets the combinations of its provider's known
+        transformations (``learned``: the union of :meth:`repair_behaviours` over the dataset)."""
+        for i, (segs, finish) in rows:
+            st, j = stats[i], judged[i]
+            if repairable(j.reasons):
+                known = tuple(sorted(learned.get(st.provider, ())))
+                if known:
+                    self._repair(st, j, _row_parsed(segs, finish), _thinking_of(segs), known)
+
+    def whitespace_check(self, stats: Sequence[SampleStats], judged: Sequence[Judgement],
+                         rows: Iterable[tuple[int, tuple]], learned: Mapping[str, Iterable[str]]) -> None:
+        """After round 2: for a provider proven to strip leading spaces, an exact sample that also
+        matches with a space restored is ambiguous."""
+        strippers = {p for p, ts in learned.items() if set(ts) & {WHITESPACE_REASONING, WHITESPACE_CONTENT}}
+        if not strippers:
+            return
+        for i, (segs, finish) in rows:
+            st, j = stats[i], judged[i]
+            if j.verdict != "exact" or st.provider not in strippers:
+                continue
+            res = search_repairs(_row_parsed(segs, finish), self.tokenizer, self.family, st.billed_completion,
+                                 self._billed_reasoning(st), self._conv(st), _thinking_of(segs),
+                                 only=(WHITESPACE_REASONING, WHITESPACE_CONTENT))
+            if res.status in ("unique", "ambiguous"):
+                j.reasons.append("whitespace_ambiguous")
+                j.verdict = verdict_of(j.reasons)
+                j.repair = res
+
+    def _repair(self, st: SampleStats, j: Judgement, parsed, thinking: bool, known: tuple[str, ...]) -> None:
+        res = search_repairs(parsed, self.tokenizer, self.family, st.billed_completion, self._billed_reasoning(st),
+                             self._conv(st), thinking, only=known)
         j.repair = res
         if res.status == "unique":
             kept = [c for c in j.reasons if c not in COUNT_CODES]
@@ -482,21 +536,6 @@ def _judge(out: Path, shard_files: list[str], stats: list[SampleStats], conventi
         elif res.status == "ambiguous":
             j.reasons.append("repair_ambiguous")
             j.verdict = verdict_of(j.reasons)
-    strippers = {p for p, ts in learned.items() if ts & {WHITESPACE_REASONING, WHITESPACE_CONTENT}}
-    if strippers:
-        need_ws_check = {i for i, j in enumerate(judged) if j.verdict == "exact" and stats[i].provider in strippers}
-        for i, (segs, finish) in enumerate(_shard_rows(out, shard_files, ["segments", "finish_reason"])):
-            if i not in need_ws_check:
-                continue
-            st = stats[i]
-            res = search_repairs(_row_parsed(segs, finish), tokenizer, family, st.billed_completion, billed_reasoning(st),
-                                 convention_for(conventions, st.provider, st.finish_reason), _thinking_of(segs),
-                                 only=(WHITESPACE_REASONING, WHITESPACE_CONTENT))
-            if res.status in ("unique", "ambiguous"):
-                judged[i].reasons.append("whitespace_ambiguous")
-                judged[i].verdict = verdict_of(judged[i].reasons)
-                judged[i].repair = res
-    return judged
 
 
 def _transform_family(transform: str) -> tuple[str, ...]:
@@ -510,7 +549,7 @@ def _shard_rows(out: Path, shard_files: list[str], columns: list[str]) -> Iterat
         yield from pl.read_parquet(out / name, columns=columns).iter_rows()
 
 
-def _transformations_seen(stats: list[SampleStats], judged: list[Judgement]) -> dict[str, dict[str, int]]:
+def transformations_seen(stats: list[SampleStats], judged: list[Judgement]) -> dict[str, dict[str, int]]:
     seen: dict[str, Counter] = {}
     for st, j in zip(stats, judged):
         c = seen.setdefault(st.provider, Counter())

@@ -1,0 +1,17 @@
+"""Snakemake entry for rule `token_shard` (plumbing only; logic in eagledata.tokens.pershard)."""
+import logging
+import sys
+
+from eagledata.config import dataset_settings, load_model_tokenizer
+from eagledata.tokens.pershard import reconstruct_shard
+
+sm = snakemake  # noqa: F821 - injected by Snakemake
+logging.basicConfig(filename=sm.log[0], level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+try:
+    ds = dataset_settings(sm.config, sm.wildcards.dataset)
+    tokenizer = load_model_tokenizer(sm.config, ds.model_name)
+    summary = reconstruct_shard(sm.input.slice, sm.output.part, sm.output.summary, tokenizer, ds.family)
+    logging.info("%s shard %s: %d samples reconstructed", ds.name, sm.wildcards.shard, summary["rows"])
+except Exception:
+    logging.exception("token_shard failed")
+    sys.exit(1)

@@ -1,0 +1,288 @@
+"""The tokens stage as one job per shard (the Snakemake rules of rules/tokens.smk), with the same
+samples, verdicts and shard files as :func:`eagledata.tokens.shards.build_token_shards`.
+
+Steps, each a job, under ``results/{dataset}/tokens.work/``:
+
+1. :func:`plan_shards` (a checkpoint): streams the responses' ids (every record checked, as the
+   one-job stage checks them), cuts them by the stable rule (:func:`~eagledata.tokens.shards.shard_groups`)
+   and writes ``plan.json`` (shard key -> rows, first and last id) and one *slice* per shard,
+   ``slices/{key}.tsv`` (its records, id order: ``json(id) TAB raw line``). A slice whose bytes did
+   not change is left untouched (same bytes, same mtime), so the shard's jobs do not rerun; the slices
+   are not a Snakemake output for the same reason as ``tokens.store`` (a rerun would delete them).
+   A shard's **key** is the first 16 hex of the sha256 of its first id: stable while that shard's
+   first id is, and the same key extraction jobs can follow later.
+2. :func:`reconstruct_shard` (per shard, the heavy one): the slice's samples -> ``parts/{key}.parquet``
+   (ids and everything verdicts are computed from) + ``parts/{key}.summary.json`` (a few hundred bytes
+   of counters: :mod:`eagledata.tokens.summaries`).
+3. :func:`learn_summaries` (dataset): the summaries only -> ``learned.json`` (count conventions,
+   reasoning-count reliability, prompt variants).
+4. :func:`learn_repairs` (dataset): which repair each provider is proven to apply (round 1 of the
+   repair search) over the samples that need one, one shard's part at a time -> ``conventions.json``.
+   It reads the parts named by the plan; they are upstream of ``learned.json`` (written by the jobs
+   that wrote its summaries), so they are not declared again: a dataset-level job with one input per
+   shard whose output every shard job reads would cost Snakemake's DAG building N^2.
+5. :func:`judge_shard` (per shard, cheap): verdicts, repairs, policy -> the final shard, content-named,
+   in ``tokens.store`` (left untouched when its content exists already) + ``judged/{key}.json``.
+6. :func:`gather_manifest` (dataset): ``tokens/manifest.json`` and hard links, as the one-job stage.
+
+No job holds more than one shard's samples: the plan holds ids and byte offsets, learning holds
+counters. A new response rewrites one slice (two when it starts a shard), so one reconstruction job
+reruns; when it changes what is learned, every judge job reruns (a shard whose verdicts did not change
+keeps its file).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+import polars as pl
+
+from eagledata.io import atomic_path, atomic_write_json, sha256_file
+from eagledata.text.families import ModelFamily
+from eagledata.text.tokenizer import Tokenizer
+from eagledata.tokens import summaries
+from eagledata.tokens.planfile import plan_keys, read_plan
+from eagledata.tokens.checks import SampleStats, repairable
+from eagledata.tokens.policy import resolve_policy
+from eagledata.tokens.shards import (PASS1_SCHEMA, MAX_SHARD_FACTOR, Judge, ResponsesFileError, checked_record, index_records,
+                                     Learned, prune_shards, publish_shard, reconstruct_sample, transformations_seen, with_verdicts,
+                                     shard_groups, shard_name)
+
+PLAN_VERSION = 1
+SHARDING_RULE = "ids sorted; a shard starts at each id with int(sha256(id), 16) % shard_size == 0"
+#: Columns a part carries beyond the final shard's first columns (dropped when judged).
+_STATS_SCHEMA: Mapping[str, Any] = {"has_eot": pl.Boolean, "codes": pl.List(pl.Utf8), "has_tools": pl.Boolean,
+                                    "prompt_alt": pl.Utf8}
+PART_SCHEMA: Mapping[str, Any] = {**PASS1_SCHEMA, **_STATS_SCHEMA}
+
+
+def shard_key(first_id: str) -> str:
+    """A shard's key: the first 16 hex of the sha256 of its first id."""
+    return hashlib.sha256(first_id.encode("utf-8")).hexdigest()[:16]
+
+
+def work_paths(work_dir: str | Path, key: str) -> dict[str, Path]:
+    w = Path(work_dir)
+    return {"slice": w / "slices" / f"{key}.tsv", "part": w / "parts" / f"{key}.parquet",
+            "summary": w / "parts" / f"{key}.summary.json", "judged": w / "judged" / f"{key}.json"}
+
+
+# 1. the plan -------------------------------------------------------------------------------------
+
+def plan_shards(responses_path: str | Path, plan_path: str | Path, slices_dir: str | Path, dataset: str,
+                shard_size: int) -> dict[str, Any]:
+    """Write the plan and the slices (see the module docstring); return the plan."""
+    entries = index_records(responses_path, dataset)
+    groups = [g for g in shard_groups(list(entries), shard_size) if g]
+    slices = Path(slices_dir)
+    slices.mkdir(parents=True, exist_ok=True)
+    shards, written, keys = [], 0, set()
+    digest = hashlib.sha256()
+    with open(responses_path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+        for group in groups:
+            key = shard_key(group[0])
+            if key in keys:
+                raise ResponsesFileError(f"{responses_path}: two shards share the key {key} (first id {group[0]!r})")
+            keys.add(key)
+            lines = []
+            for sid in group:
+                fh.seek(entries[sid].offset)
+                lines.append(json.dumps(sid, ensure_ascii=False).encode("utf-8") + b"\t"
+                             + fh.readline().rstrip(b"\r\n") + b"\n")
+            written += _write_if_changed(slices / f"{key}.tsv", b"".join(lines))
+            shards.append({"key": key, "rows": len(group), "first_id": group[0], "last_id": group[-1]})
+    for p in slices.iterdir():
+        if p.suffix == ".tsv" and p.stem not in keys:
+            p.unlink()
+    plan = {"version": PLAN_VERSION, "dataset": dataset, "source": str(responses_path),
+            "source_sha256": digest.hexdigest(), "rows": len(entries),
+            "sharding": {"rule": SHARDING_RULE, "shard_size": shard_size, "max_rows": MAX_SHARD_FACTOR * shard_size,
+                         "key": "sha256(first id)[:16]"},
+            "shards": shards}
+    atomic_write_json(plan_path, plan)
+    return {**plan, "slices_written": written}
+
+
+def _write_if_changed(path: Path, data: bytes) -> int:
+    if path.is_file() and path.stat().st_size == len(data) and path.read_bytes() == data:
+        return 0
+    with atomic_path(path) as tmp:
+        Path(tmp).write_bytes(data)
+    return 1
+
+
+def iter_slice(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(id, record) of every sample of a slice, in id order."""
+    with open(path, "rb") as fh:
+        for n, raw in enumerate(fh, 1):
+            sid_json, _, line = raw.rstrip(b"\n").partition(b"\t")
+            yield json.loads(sid_json), checked_record(json.loads(line.decode("utf-8")), f"{path}:{n}")
+
+
+# 2. reconstruction ---------------------------------------------------------------------------------
+
+def reconstruct_shard(slice_path: str | Path, part_path: str | Path, summary_path: str | Path,
+                      tokenizer: Tokenizer, family: ModelFamily, template: str | None = None) -> dict[str, Any]:
+    """One shard's samples -> its part and summary; returns the summary."""
+    rows, stats = [], []
+    for sid, rec in iter_slice(slice_path):
+        st, row = reconstruct_sample(rec, sid, tokenizer, family, template)
+        row.update(has_eot=st.has_eot, codes=st.codes, has_tools=st.has_tools,
+                   prompt_alt=json.dumps(st.prompt_alt) if st.prompt_alt is not None else None)
+        rows.append(row)
+        stats.append(st)
+    summary = summaries.summarize(stats)
+    Path(part_path).parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(part_path) as tmp:
+        pl.DataFrame(rows, schema=PART_SCHEMA).write_parquet(tmp, compression="zstd")
+    Path(summary_path).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(summary_path, summary)
+    return summary
+
+
+def part_stats(df: pl.DataFrame) -> list[SampleStats]:
+    """The :class:`SampleStats` of a part's rows."""
+    cols = ["id", "provider", "finish_reason", "prompt_len", "completion_len", "reasoning_len", "has_eot",
+            "billed_prompt", "billed_completion", "billed_reasoning", "codes", "has_tools", "prompt_alt"]
+    out = []
+    for r in df.select(cols).iter_rows():
+        *head, codes, has_tools, alt = r
+        out.append(SampleStats(*head, codes=list(codes), has_tools=has_tools,
+                               prompt_alt=json.loads(alt) if alt is not None else None))
+    return out
+
+
+# 3-4. learning ------------------------------------------------------------------------------------
+
+def learn_summaries(summary_paths: Sequence[str | Path], out_path: str | Path) -> dict[str, Any]:
+    """The dataset's conventions from its shards' summaries (nothing else is read)."""
+    merged = summaries.merge(json.loads(Path(p).read_text(encoding="utf-8")) for p in summary_paths)
+    conventions, reliability, variants = summaries.learn(merged)
+    learned = {"rows": merged["rows"], "conventions": conventions, "reliability": reliability, "variants": variants}
+    atomic_write_json(out_path, learned)
+    return learned
+
+
+def learn_repairs(learned_path: str | Path, part_paths: Sequence[str | Path], out_path: str | Path,
+                  tokenizer: Tokenizer, family: ModelFamily) -> dict[str, Any]:
+    """``learned.json`` plus ``repairs``: per provider, the transformations some sample proves it
+    applies (searched on the samples needing a repair only, one part at a time)."""
+    learned = json.loads(Path(learned_path).read_text(encoding="utf-8"))
+    judge = Judge(learned["conventions"], learned["reliability"], tokenizer, family)
+    found: dict[str, set[str]] = {}
+    for path in part_paths:
+        df = pl.read_parquet(path, columns=[c for c in PART_SCHEMA if c not in ("input_ids", "segments")])
+        stats = part_stats(df)
+        judged = judge.first_verdicts(stats)
+        need = [i for i, j in enumerate(judged) if _repairable(j)]
+        if not need:
+            continue
+        segs = pl.read_parquet(path, columns=["segments", "finish_reason"])
+        rows = [(i, (segs["segments"][i], segs["finish_reason"][i])) for i in need]
+        for provider, ts in judge.repair_behaviours(stats, judged, rows).items():
+            found.setdefault(provider, set()).update(ts)
+    learned["repairs"] = {p: sorted(ts) for p, ts in found.items()}
+    atomic_write_json(out_path, learned)
+    return learned
+
+
+def _repairable(j) -> bool:
+    return repairable(j.reasons)
+
+
+# 5. judging ----------------------------------------------------------------------------------------
+
+def judge_shard(part_path: str | Path, conventions_path: str | Path, store_dir: str | Path, out_path: str | Path,
+                tokenizer: Tokenizer, family: ModelFamily, policy: Any = "default") -> dict[str, Any]:
+    """One shard's final file (in ``store_dir``, untouched when its content exists) and its entry."""
+    learned = json.loads(Path(conventions_path).read_text(encoding="utf-8"))
+    part = pl.read_parquet(part_path)
+    stats = part_stats(part)
+    judge = Judge(learned["conventions"], learned["reliability"], tokenizer, family)
+    judged = judge.first_verdicts(stats)
+    known = {p: set(ts) for p, ts in learned["repairs"].items()}
+
+    def rows():
+        return enumerate(part.select("segments", "finish_reason").iter_rows())
+
+    judge.apply_repairs(stats, judged, rows(), known)
+    judge.whitespace_check(stats, judged, rows(), known)
+    df = with_verdicts(part.drop(list(_STATS_SCHEMA)), stats, judged, 0, learned["variants"], resolve_policy(policy))
+    store = Path(store_dir)
+    store.mkdir(parents=True, exist_ok=True)
+    tmp = store / f".judge-{Path(part_path).stem}.parquet.tmp-{os.getpid()}"
+    try:
+        df.write_parquet(tmp, compression="zstd")
+        sha = sha256_file(tmp)
+        dest = store / shard_name(sha)
+        kept = dest.is_file() and sha256_file(dest) == sha
+        if not kept:
+            with atomic_path(dest) as t:
+                os.replace(tmp, t)
+    finally:
+        tmp.unlink(missing_ok=True)
+    ids = df["id"]
+    entry = {"file": dest.name, "rows": df.height, "sha256": sha, "first_id": ids[0] if df.height else None,
+             "last_id": ids[-1] if df.height else None, "kept": kept,
+             "transformations_seen": transformations_seen(stats, judged)}
+    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out_path, entry)
+    return entry
+
+
+# 6. the manifest -----------------------------------------------------------------------------------
+
+def gather_manifest(plan_path: str | Path, judged_paths: Sequence[str | Path], conventions_path: str | Path,
+                    out_dir: str | Path, store_dir: str | Path, tokenizer: Tokenizer, family: ModelFamily,
+                    policy: Any = "default") -> dict[str, Any]:
+    """``out_dir/manifest.json`` (as the one-job stage writes it) and a hard link per shard; the store
+    keeps exactly the manifest's shards."""
+    plan = read_plan(plan_path)
+    learned = json.loads(Path(conventions_path).read_text(encoding="utf-8"))
+    entries = [json.loads(Path(p).read_text(encoding="utf-8")) for p in judged_paths]
+    out, store = Path(out_dir), Path(store_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    conventions = learned["conventions"]
+    seen: dict[str, dict[str, int]] = {}
+    for e in entries:
+        for provider, counts in e["transformations_seen"].items():
+            c = seen.setdefault(provider, {})
+            for code, n in counts.items():
+                c[code] = c.get(code, 0) + n
+    report = Learned(conventions, learned["reliability"], learned["variants"])
+    for provider, c in seen.items():
+        conventions[provider]["transformations_seen"] = c
+    report.conventions = conventions
+    for provider, r in report.reliability.items():
+        conventions[provider]["reasoning_count"] = r
+    for provider, v in report.variants.items():
+        conventions[provider]["prompt_rendering"] = v
+    shards = [{k: e[k] for k in ("file", "rows", "sha256", "first_id", "last_id")} for e in entries]
+    for s in shards:
+        publish_shard(store / s["file"], out / s["file"], s["sha256"])
+    admitted = resolve_policy(policy)
+    manifest = {
+        "dataset": plan["dataset"], "source": plan["source"], "source_sha256": plan["source_sha256"],
+        "tokenizer": tokenizer.source, "tokenizer_fingerprint": tokenizer.fingerprint, "family": family.name,
+        "policy": admitted.name, "policy_sets": admitted.to_dict(), "conventions": conventions,
+        "rows": sum(s["rows"] for s in shards),
+        "sharding": {"rule": SHARDING_RULE, "shard_size": plan["sharding"]["shard_size"],
+                     "max_rows": plan["sharding"]["max_rows"], "store": os.path.relpath(store, out),
+                     "key": plan["sharding"]["key"]},
+        "shards": [{**s, "key": sh["key"]} for s, sh in zip(shards, plan["shards"])],
+    }
+    atomic_write_json(out / "manifest.json", manifest)
+    names = [s["file"] for s in shards]
+    prune_shards(out, names)
+    prune_shards(store, names)
+    return manifest
+
+
+__all__ = ["PART_SCHEMA", "gather_manifest", "iter_slice", "judge_shard", "learn_repairs", "learn_summaries",
+           "part_stats", "plan_keys", "plan_shards", "read_plan", "reconstruct_shard", "shard_key", "work_paths"]

@@ -1,0 +1,167 @@
+"""The tokens stage as one job per shard (eagledata.tokens.pershard, rules/tokens.smk): the same samples,
+verdicts and shard files as the one-job stage; slices left untouched when unchanged; learning from
+per-shard summaries only; one new response rebuilds one shard's reconstruction (real snakemake)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eagledata.text.families import get_family
+from eagledata.text.tokenizer import load_tokenizer
+from eagledata.tokens import pershard as ps
+from eagledata.tokens.shards import build_token_shards, is_boundary_id, read_shards
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+RECORDED = SHARED / "recorded" / "openrouter-kimi-k2-0905.jsonl"
+K2 = SHARED / "tokenizers" / "kimi-k2-instruct"
+needs_recorded = pytest.mark.skipif(not (RECORDED.exists() and K2.exists()), reason="needs ../shared recorded data and K2 tokenizer")
+
+
+def run_pershard(src: Path, work: Path, tok, fam, shard_size: int, dataset: str = "ds") -> dict:
+    """Every step of the per-shard stage in turn, as the rules run them."""
+    plan = ps.plan_shards(src, work / "plan.json", work / "slices", dataset, shard_size)
+    keys = [s["key"] for s in plan["shards"]]
+    paths = {k: ps.work_paths(work, k) for k in keys}
+    for k in keys:
+        ps.reconstruct_shard(paths[k]["slice"], paths[k]["part"], paths[k]["summary"], tok, fam)
+    ps.learn_summaries([paths[k]["summary"] for k in keys], work / "learned.json")
+    ps.learn_repairs(work / "learned.json", [paths[k]["part"] for k in keys], work / "conventions.json", tok, fam)
+    for k in keys:
+        ps.judge_shard(paths[k]["part"], work / "conventions.json", work.parent / "store", paths[k]["judged"], tok, fam)
+    return ps.gather_manifest(work / "plan.json", [paths[k]["judged"] for k in keys], work / "conventions.json",
+                              work.parent / "tokens", work.parent / "store", tok, fam)
+
+
+@needs_recorded
+@pytest.mark.parametrize("shard_size", [1, 7, 100])
+def test_per_shard_stage_gives_the_one_job_stage_results_on_recorded_data(tmp_path, shard_size):
+    fam = get_family("kimi-k2")
+    tok = load_tokenizer(K2, fam)
+    old = build_token_shards(RECORDED, tmp_path / "old", tok, fam, "ds", shard_size=shard_size,
+                             store_dir=tmp_path / "old.store")
+    new = run_pershard(RECORDED, tmp_path / "work", tok, fam, shard_size)
+    a, b = read_shards(tmp_path / "old"), read_shards(tmp_path / "tokens")
+    assert a.height == b.height == 272
+    assert a.equals(b)  # every column of every sample: ids, verdicts, reasons, counts, repairs
+    assert [s["file"] for s in old.manifest["shards"]] == [s["file"] for s in new["shards"]]  # same bytes
+    assert old.manifest["conventions"] == new["conventions"]
+    assert old.manifest["rows"] == new["rows"] and old.manifest["source_sha256"] == new["source_sha256"]
+
+
+def _records(n: int) -> list[dict]:
+    lines = [json.loads(x) for x in RECORDED.read_text(encoding="utf-8").splitlines() if x.strip()]
+    out = []
+    for i in range(n):
+        rec = dict(lines[i % len(lines)])
+        rec["id"] = f"rec-{i:05d}"
+        out.append(rec)
+    return out
+
+
+def _write(path: Path, records: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+
+
+def _new_id(records: list[dict], shard_size: int) -> str:
+    """An id sorting inside the dataset that starts no shard."""
+    return next(f"rec-00050-{k}" for k in range(100) if not is_boundary_id(f"rec-00050-{k}", shard_size))
+
+
+@needs_recorded
+def test_slices_of_unchanged_shards_keep_bytes_and_mtime(tmp_path):
+    records = _records(200)
+    src = tmp_path / "responses.jsonl"
+    _write(src, records)
+    plan = ps.plan_shards(src, tmp_path / "plan.json", tmp_path / "slices", "ds", 10)
+    before = {p.name: (p.stat().st_mtime_ns, p.stat().st_ino) for p in (tmp_path / "slices").iterdir()}
+    new = dict(records[3], id=_new_id(records, 10))
+    _write(src, [new] + records[::-1])  # lines moved too: a shard follows ids, never lines
+    again = ps.plan_shards(src, tmp_path / "plan.json", tmp_path / "slices", "ds", 10)
+    after = {p.name: (p.stat().st_mtime_ns, p.stat().st_ino) for p in (tmp_path / "slices").iterdir()}
+    assert again["slices_written"] == 1
+    assert len(plan["shards"]) == len(again["shards"]) > 10
+    changed = [k for k in after if after[k] != before.get(k)]
+    assert len(changed) == 1
+    owner = next(s for s in again["shards"] if s["first_id"] <= new["id"] <= s["last_id"])
+    assert changed == [f"{owner['key']}.tsv"]
+    assert [s["key"] for s in plan["shards"]] == [s["key"] for s in again["shards"]]
+
+
+@needs_recorded
+def test_learning_reads_the_per_shard_summaries_only(tmp_path):
+    """The learning job gets the same conventions from the summaries alone (the parts, the slices and
+    the responses removed), and a summary's size does not grow with its shard."""
+    fam = get_family("kimi-k2")
+    tok = load_tokenizer(K2, fam)
+    src = tmp_path / "responses.jsonl"
+    _write(src, _records(600))
+    manifest = run_pershard(src, tmp_path / "work", tok, fam, 50)
+    summaries = sorted((tmp_path / "work" / "parts").glob("*.summary.json"))
+    largest = max(s.stat().st_size for s in summaries)
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    for p in summaries:
+        shutil.copy(p, alone / p.name)
+    shutil.rmtree(tmp_path / "work")
+    src.unlink()
+    learned = ps.learn_summaries(sorted(alone.glob("*.summary.json")), tmp_path / "learned.json")
+    assert learned["rows"] == 600
+    for provider, conv in manifest["conventions"].items():
+        assert learned["conventions"][provider]["convention"] == conv["convention"]
+        assert learned["conventions"][provider]["support"] == conv["support"]
+        if "reasoning_count" in conv:
+            assert learned["reliability"][provider] == conv["reasoning_count"]
+        if "prompt_rendering" in conv:
+            assert learned["variants"][provider] == conv["prompt_rendering"]
+    one_shard = tmp_path / "one"
+    _write(src, _records(600))
+    big = ps.plan_shards(src, one_shard / "plan.json", one_shard / "slices", "ds", 100_000)
+    key = big["shards"][0]["key"]
+    p = ps.work_paths(one_shard, key)
+    ps.reconstruct_shard(p["slice"], p["part"], p["summary"], tok, fam)
+    assert p["summary"].stat().st_size <= 2 * largest  # 600 samples in one shard vs about 50: counters only
+
+
+
+@needs_recorded
+@pytest.mark.workflow
+def test_one_new_response_rebuilds_only_its_shard(tmp_path):
+    """Real snakemake on an imported dataset of 300 responses in about 30 shards: adding one response
+    reruns the plan, one token_shard job and what follows (judging, gathering, validation); every other
+    shard's reconstruction is up to date, and its slice and part keep their bytes and mtimes."""
+    from test_workflow import _copy_repo, planned_jobs, snakemake
+
+    work = _copy_repo(tmp_path / "w")
+    records = _records(300)
+    src = tmp_path / "responses.jsonl"
+    _write(src, records)
+    config = yaml.safe_load((work / "config/config.yaml").read_text())
+    config["models"] = {"k2": {"family": "kimi-k2", "tokenizer": str(K2)}}
+    config["datasets"] = {"rec": {"responses": str(src), "model": "k2", "validation": {"max_bad_fraction": 1.0}}}
+    config["tokens"] = {**(config.get("tokens") or {}), "shard_size": 10}
+    config["extraction"] = {**config["extraction"], "enabled": False}
+    (work / "config/config.yaml").write_text(yaml.safe_dump(config))
+    snakemake(work, "rec")
+    assert planned_jobs(work, "rec") == {}
+    plan = json.loads((work / "results/rec/tokens.work/plan.json").read_text())
+    n_shards = len(plan["shards"])
+    assert n_shards > 15
+    parts = work / "results/rec/tokens.work/parts"
+    before = {p.name: p.stat().st_mtime_ns for p in parts.glob("*.parquet")}
+    _write(src, records + [dict(records[7], id=_new_id(records, 10))])
+    snakemake(work, "results/rec/tokens.work/plan.json")  # import + the checkpoint (cheap, streams ids)
+    jobs = planned_jobs(work, "rec")
+    assert jobs.get("token_shard") == 1, jobs
+    assert {"token_learn", "token_repairs", "tokens", "validate"} <= set(jobs), jobs
+    assert jobs.get("token_judge", 0) <= n_shards
+    snakemake(work, "rec")
+    after = {p.name: p.stat().st_mtime_ns for p in parts.glob("*.parquet")}
+    assert sum(after[k] != before.get(k) for k in after) == 1
+    report = json.loads((work / "results/rec/validation.json").read_text())
+    assert report["counts"]["total"] == 301
+    assert planned_jobs(work, "rec") == {}
