@@ -145,7 +145,9 @@ class TiktokenTokenizer:
         return out
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.encoding.decode(list(ids))  # type: ignore[attr-defined]
+        """tiktoken's ``decode`` (UTF-8 with replacement), without its wrapper layers: the validation
+        checks call it for every text segment."""
+        return self.encoding.decode_bytes(ids if isinstance(ids, list) else list(ids)).decode("utf-8", "replace")  # type: ignore[attr-defined]
 
     def decode_bytes(self, ids: Sequence[int]) -> bytes:
         return self.encoding.decode_bytes(list(ids))  # type: ignore[attr-defined]

@@ -166,22 +166,12 @@ def _special_sequence(rc, first_special: int | None) -> list[int] | None:
     return out if pos == len(ids) else None
 
 
-def _decoder(tokenizer: Tokenizer):
-    """``tokenizer.decode`` for a list of ids; straight to tiktoken's bytes decoder when there is one
-    (the same text: UTF-8 with replacement, as tiktoken's own ``decode``)."""
-    encoding = getattr(tokenizer, "encoding", None)
-    decode_bytes = getattr(encoding, "decode_bytes", None)
-    if decode_bytes is None:
-        return tokenizer.decode
-    return lambda ids: decode_bytes(ids).decode("utf-8", "replace")
-
-
 def _structure_codes(rc, tokenizer: Tokenizer, family: ModelFamily, truncated: bool) -> list[str]:
     ids = rc.ids
     codes = []
     think_close, begin, end, call_begin, arg_begin, call_end, eot = _family_ids(tokenizer, family)
     first_special = getattr(tokenizer, "first_special_id", None)
-    decode = _decoder(tokenizer)
+    decode = tokenizer.decode
     text_clean = True
     for seg in rc.segments:
         if seg.text is None:
