@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import re
 from dataclasses import dataclass
 from importlib import resources
@@ -32,7 +33,9 @@ class ConfigError(InputError):
     pass
 
 
+@functools.lru_cache(maxsize=1)
 def schema() -> dict:
+    """The config schema, parsed once per process (read-only: validation copies its defaults)."""
     text = resources.files("eagledata").joinpath("data/schema.yaml").read_text(encoding="utf-8")
     return yaml.safe_load(text)
 
