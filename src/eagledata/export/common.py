@@ -270,3 +270,60 @@ def assemble(hidden_dir: Path, manifest: dict[str, Any], target: Path, store: Sh
             tokens += row["length"]
     store.prune()
     return Assembled(rows, counts, tokens, written)
+
+
+@dataclass
+class ExportRun:
+    """What every trainer's export sets up the same way (:func:`start_export`)."""
+
+    trainer: str
+    hidden_dir: Path
+    out_dir: Path
+    manifest: dict[str, Any]
+    dtype_name: str
+    dtype: Any
+    draft: int
+    draft_requested: int
+    work: Path | None
+    store: ShardStore
+    target: Path
+
+
+def start_export(trainer: str, hidden_dir: str | Path, out_dir: str | Path, dtype: str, dtype_key: str,
+                 draft_vocab_size: int, work_dir: str | Path | None, store_dir: str | Path | None) -> ExportRun:
+    """Read the hidden-state manifest, check the trainer dtype, size the draft vocabulary, open the
+    per-shard store (``OUT.store`` beside ``out_dir`` by default) and a fresh target directory."""
+    from eagledata.export.vocab import effective_draft_vocab
+
+    hidden_dir, out_dir = Path(hidden_dir), Path(out_dir)
+    manifest = read_hidden_manifest(hidden_dir)
+    tdtype = check_export_dtype(dtype, dtype_key)
+    work = Path(work_dir) if work_dir else None
+    store = ShardStore(Path(store_dir) if store_dir else out_dir.parent / f"{out_dir.name}.store", trainer,
+                       {"dtype": dtype})
+    return ExportRun(trainer, hidden_dir, out_dir, manifest, dtype, tdtype,
+                     effective_draft_vocab(draft_vocab_size, manifest["vocab_size"]), draft_vocab_size, work, store,
+                     fresh_target(out_dir, work))
+
+
+def end_export(run: ExportRun, built: Assembled, fields: dict[str, Any],
+               write_mapping: Callable[[Path, Any, Any, Any], Any]) -> dict[str, Any]:
+    """The export's ``export.json`` (common fields, the trainer's ``fields``, the draft vocabulary
+    written by ``write_mapping(target, counts, d2t, t2d)``), logged, then published."""
+    from eagledata.export.vocab import build_mapping, coverage
+
+    d2t, t2d = build_mapping(built.counts, run.draft)
+    meta = common_meta(run.manifest, run.hidden_dir, run.trainer, len(built.rows["sample"]), built.tokens, run.dtype_name)
+    meta.update(fields)
+    meta.update({
+        "vocab_mapping": write_mapping(run.target, built.counts, d2t, t2d),
+        "draft_vocab_size": run.draft,
+        "draft_vocab_size_requested": run.draft_requested,
+        "draft_vocab_coverage": coverage(built.counts, t2d),
+        "shards_written": built.written,
+    })
+    logging.getLogger(f"eagledata.export.{run.trainer}").info(
+        "%s export %s: %d samples, %d tokens, %d of %d shards written", run.trainer, run.out_dir, meta["samples"],
+        built.tokens, built.written, len(run.manifest["shards"]))
+    return finish(run.target, run.out_dir, run.work, built.rows, meta)
+

@@ -25,15 +25,11 @@ from typing import Any
 from eagledata.export.common import (
     HiddenShard,
     Sample,
-    ShardStore,
     assemble,
-    check_export_dtype,
-    common_meta,
-    finish,
-    fresh_target,
-    read_hidden_manifest,
+    end_export,
+    start_export,
 )
-from eagledata.export.vocab import build_mapping, coverage, effective_draft_vocab, write_specforge_mapping
+from eagledata.export.vocab import write_specforge_mapping
 from eagledata.extract.base import ExtractionError
 
 log = logging.getLogger("eagledata.export.specforge")
@@ -66,35 +62,18 @@ def export_specforge(hidden_dir: str | Path, out_dir: str | Path, *, group_size:
     """Write SpecForge's offline layout (module docstring). Returns the export metadata."""
     import torch
 
-    hidden_dir, out_dir = Path(hidden_dir), Path(out_dir)
-    manifest = read_hidden_manifest(hidden_dir)
     if group_size < 1:
         raise ExtractionError(f"export.specforge_group_size must be >= 1, got {group_size}")
-    tdtype = check_export_dtype(dtype, "specforge_dtype")
-    draft = effective_draft_vocab(draft_vocab_size, manifest["vocab_size"])
-    work = Path(work_dir) if work_dir else None
-    store = ShardStore(Path(store_dir) if store_dir else out_dir.parent / f"{out_dir.name}.store", "specforge",
-                       {"dtype": dtype})
-    target = fresh_target(out_dir, work)
-    total = int(manifest["samples"])
-    built = assemble(hidden_dir, manifest, target, store,
-                     lambda path, s, shard: torch.save(specforge_sample(s, shard, tdtype), path),
+    run = start_export("specforge", hidden_dir, out_dir, dtype, "specforge_dtype", draft_vocab_size, work_dir, store_dir)
+    total, layers = int(run.manifest["samples"]), run.manifest["layers"]
+    built = assemble(run.hidden_dir, run.manifest, run.target, run.store,
+                     lambda path, s, shard: torch.save(specforge_sample(s, shard, run.dtype), path),
                      lambda i: specforge_path(i, total, group_size), lambda row: f"data_{row}.ckpt")
-    d2t, t2d = build_mapping(built.counts, draft)
-    meta = common_meta(manifest, hidden_dir, "specforge", len(built.rows["sample"]), built.tokens, dtype)
-    meta.update({
+    return end_export(run, built, {
         "group_size": group_size,
         "layout": "rows_{g}-{g_end}/data_{sample}.ckpt: torch.save dict input_ids [T] int64, loss_mask [T] int64, "
-                  f"hidden_state [1, T, H] (after the final norm), aux_hidden_state [1, T, {len(manifest['layers'])} * H] "
+                  f"hidden_state [1, T, H] (after the final norm), aux_hidden_state [1, T, {len(layers)} * H] "
                   f"({dtype})",
         "final_state": "after the final norm (derived from the stored pre-norm state with the stored RMSNorm)",
-        "specforge_aux_hidden_states_layers": manifest["layers"],
-        "vocab_mapping": write_specforge_mapping(target, d2t, t2d),
-        "draft_vocab_size": draft,
-        "draft_vocab_size_requested": draft_vocab_size,
-        "draft_vocab_coverage": coverage(built.counts, t2d),
-        "shards_written": built.written,
-    })
-    log.info("SpecForge export %s: %d samples, %d tokens, %d of %d shards written", out_dir, meta["samples"],
-             built.tokens, built.written, len(manifest["shards"]))
-    return finish(target, out_dir, work, built.rows, meta)
+        "specforge_aux_hidden_states_layers": layers,
+    }, lambda target, _counts, d2t, t2d: write_specforge_mapping(target, d2t, t2d))

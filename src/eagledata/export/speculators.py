@@ -25,15 +25,11 @@ from typing import Any
 
 from eagledata.export.common import (
     Sample,
-    ShardStore,
     assemble,
-    check_export_dtype,
-    common_meta,
-    finish,
-    fresh_target,
-    read_hidden_manifest,
+    end_export,
+    start_export,
 )
-from eagledata.export.vocab import build_mapping, coverage, effective_draft_vocab, write_speculators_mapping
+from eagledata.export.vocab import write_speculators_mapping
 from eagledata.extract.base import ExtractionError
 
 log = logging.getLogger("eagledata.export.speculators")
@@ -85,33 +81,17 @@ def export_speculators(hidden_dir: str | Path, out_dir: str | Path, *, dtype: st
     """Write vLLM speculators' data directory (module docstring). Returns the export metadata."""
     from safetensors.torch import save_file
 
-    hidden_dir, out_dir = Path(hidden_dir), Path(out_dir)
-    manifest = read_hidden_manifest(hidden_dir)
-    tdtype = check_export_dtype(dtype, "speculators_dtype")
-    draft = effective_draft_vocab(draft_vocab_size, manifest["vocab_size"])
-    work = Path(work_dir) if work_dir else None
-    store = ShardStore(Path(store_dir) if store_dir else out_dir.parent / f"{out_dir.name}.store", "speculators",
-                       {"dtype": dtype})
-    target = fresh_target(out_dir, work)
-    built = assemble(hidden_dir, manifest, target, store,
-                     lambda path, s, _shard: save_file(speculators_tensors(s, tdtype), str(path)),
+    run = start_export("speculators", hidden_dir, out_dir, dtype, "speculators_dtype", draft_vocab_size, work_dir,
+                       store_dir)
+    built = assemble(run.hidden_dir, run.manifest, run.target, run.store,
+                     lambda path, s, _shard: save_file(speculators_tensors(s, run.dtype), str(path)),
                      speculators_path, lambda row: f"hs_{row}.safetensors")
-    save_dataset(target, hidden_dir, built.rows)
-    d2t, t2d = build_mapping(built.counts, draft)
-    layers = manifest["layers"]
-    meta = common_meta(manifest, hidden_dir, "speculators", len(built.rows["sample"]), built.tokens, dtype)
-    meta.update({
+    save_dataset(run.target, run.hidden_dir, built.rows)
+    layers = run.manifest["layers"]
+    return end_export(run, built, {
         "layout": f"datasets directory (input_ids, loss_mask, seq_len; torch format) + hidden_states/hs_{{sample}}"
                   f".safetensors: token_ids [T] int64, hidden_states [T, {len(layers) + 1}, H] ({dtype}) = aux "
                   f"layers {layers} (output of layer i), then the final state before the norm",
         "final_state": "before the final norm (hidden_states[:, -1]; the trainer applies the verifier's norm)",
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in layers],
-        "vocab_mapping": write_speculators_mapping(target, built.counts, d2t, t2d),
-        "draft_vocab_size": draft,
-        "draft_vocab_size_requested": draft_vocab_size,
-        "draft_vocab_coverage": coverage(built.counts, t2d),
-        "shards_written": built.written,
-    })
-    log.info("speculators export %s: %d samples, %d tokens, %d of %d shards written", out_dir, meta["samples"],
-             built.tokens, built.written, len(manifest["shards"]))
-    return finish(target, out_dir, work, built.rows, meta)
+    }, write_speculators_mapping)
