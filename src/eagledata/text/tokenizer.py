@@ -16,6 +16,8 @@ Contract of every tokenizer:
   long-input splitting rule.
 * ``encode_with_specials(text)`` parses special-token text (used for rendered chat prompts, as
   the model's chat template path does).
+* ``decodes_to(ids, text)`` is exactly ``decode(ids) == text`` (the validation checks' question;
+  a tokenizer may answer it without decoding when it can prove the answer).
 * ``special_id(name)`` looks ids up by name; nothing in this package types an id in.
 * ``fingerprint`` hashes vocabulary, special tokens and chat template.
 """
@@ -26,7 +28,7 @@ import base64
 import hashlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Protocol, Sequence
 
@@ -59,6 +61,7 @@ class Tokenizer(Protocol):
     def encode_plain(self, text: str) -> list[int]: ...
     def encode_with_specials(self, text: str) -> list[int]: ...
     def decode(self, ids: Sequence[int]) -> str: ...
+    def decodes_to(self, ids: list[int], text: str) -> bool: ...
     def special_id(self, name: str) -> int: ...
     def is_special_id(self, token_id: int) -> bool: ...
     def special_names(self) -> dict[str, int]: ...
@@ -92,6 +95,29 @@ def _split_runs(s: str, max_len: int) -> Iterator[str]:
                 start = i
                 run_len = 1
     yield s[start:]
+
+
+#: how many recent plain encodings a tiktoken tokenizer keeps for :meth:`TiktokenTokenizer.decodes_to`
+RECENT_PLAIN = 64
+
+
+def _remember(recent: dict[str, list[int]], text: str, ids: list[int]) -> None:
+    """Keep a copy of ``ids`` (the caller may change its list) as the encoding of ``text``; the
+    oldest entry goes when more than :data:`RECENT_PLAIN` are kept."""
+    recent[text] = ids[:]
+    if len(recent) > RECENT_PLAIN:
+        try:
+            del recent[next(iter(recent))]
+        except (KeyError, StopIteration, RuntimeError):  # another thread got there first
+            pass
+
+
+def _no_surrogates(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _sha256_parts(parts: Iterable[bytes]) -> str:
@@ -129,12 +155,15 @@ class TiktokenTokenizer:
     fingerprint: str
     vocab_size: int
     tool_declaration: str = "json"
+    #: the most recent plain encodings, text -> a copy of its ids (see :meth:`decodes_to`)
+    recent_plain: dict[str, list[int]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def encode_plain(self, text: str) -> list[int]:
         enc = self.encoding.encode_ordinary  # type: ignore[attr-defined]
         out: list[int] = []
         for piece in split_for_kimi(text):
             out.extend(enc(piece))
+        _remember(self.recent_plain, text, out)
         return out
 
     def encode_with_specials(self, text: str) -> list[int]:
@@ -151,6 +180,16 @@ class TiktokenTokenizer:
 
     def decode_bytes(self, ids: Sequence[int]) -> bytes:
         return self.encoding.decode_bytes(list(ids))  # type: ignore[attr-defined]
+
+    def decodes_to(self, ids: list[int], text: str) -> bool:
+        """Exactly ``decode(ids) == text``; proven without decoding when ``ids`` equal this tokenizer's
+        own recent plain encoding of ``text`` (compared id for id): byte-level BPE encodes the UTF-8
+        bytes of a text, and decoding gives those bytes back, for every text without a lone surrogate
+        (tiktoken encodes one as U+FFFD, which does not decode back to it). Anything else is decoded."""
+        known = self.recent_plain.get(text)
+        if known is not None and known == ids and (text.isascii() or _no_surrogates(text)):
+            return True
+        return self.decode(ids) == text
 
     def special_id(self, name: str) -> int:
         try:
@@ -248,6 +287,9 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)  # type: ignore[attr-defined]
+
+    def decodes_to(self, ids: list[int], text: str) -> bool:
+        return self.decode(ids) == text
 
     def special_id(self, name: str) -> int:
         vocab = self.tok.get_vocab()  # type: ignore[attr-defined]

@@ -148,45 +148,43 @@ def _family_ids(tokenizer: Tokenizer, family: ModelFamily) -> tuple[int, ...]:
     return ids
 
 
-def _special_sequence(rc, first_special: int | None) -> list[int] | None:
-    """The special ids of the completion, in order, read off the segments when they tile the ids
-    and no text segment holds a special id (then nothing else can be special); else ``None``."""
-    if first_special is None:
-        return None
-    ids, pos, out = rc.ids, 0, []
+def _text_codes(rc, tokenizer: Tokenizer, first_special: int | None) -> tuple[list[str], list[int] | None]:
+    """(reasons, special ids) of the completion's segments, in one pass: ``special_in_text`` and
+    ``decode_mismatch`` per text segment (each segment decoded on its own, never joined: a segment
+    boundary inside a character must not pass), and the special ids in order when the segments tile
+    the ids and no text segment holds a special id (then nothing else can be special), else ``None``."""
+    ids, codes = rc.ids, []
+    specials: list[int] | None = [] if first_special is not None else None
+    pos = 0
     for seg in rc.segments:
-        if seg.start != pos:
-            return None
+        start, end = seg.start, seg.end
+        if start != pos:
+            specials = None
+        pos = end
         if seg.text is None:
-            if seg.end - seg.start != 1:
-                return None
-            if ids[seg.start] >= first_special:
-                out.append(ids[seg.start])
-        pos = seg.end
-    return out if pos == len(ids) else None
-
-
-def _structure_codes(rc, tokenizer: Tokenizer, family: ModelFamily, truncated: bool) -> list[str]:
-    ids = rc.ids
-    codes = []
-    think_close, begin, end, call_begin, arg_begin, call_end, eot = _family_ids(tokenizer, family)
-    first_special = getattr(tokenizer, "first_special_id", None)
-    decode = tokenizer.decode
-    text_clean = True
-    for seg in rc.segments:
-        if seg.text is None:
+            if specials is not None:
+                if end - start != 1:
+                    specials = None
+                elif ids[start] >= first_special:
+                    specials.append(ids[start])
             continue
-        seg_ids = ids[seg.start:seg.end]
+        seg_ids = ids[start:end]
         if first_special is not None:
             has_special = max(seg_ids, default=-1) >= first_special
         else:
             has_special = any(tokenizer.is_special_id(t) for t in seg_ids)
         if has_special:
             codes.append("special_in_text")
-            text_clean = False
-        if decode(seg_ids) != seg.text:
+            specials = None
+        if not tokenizer.decodes_to(seg_ids, seg.text):
             codes.append("decode_mismatch")
-    specials = _special_sequence(rc, first_special) if text_clean else None
+    return codes, specials if pos == len(ids) else None
+
+
+def _structure_codes(rc, tokenizer: Tokenizer, family: ModelFamily, truncated: bool) -> list[str]:
+    ids = rc.ids
+    think_close, begin, end, call_begin, arg_begin, call_end, eot = _family_ids(tokenizer, family)
+    codes, specials = _text_codes(rc, tokenizer, getattr(tokenizer, "first_special_id", None))
     seq = specials if specials is not None else ids  # the short list when the segments vouch for it
     if rc.thinking and not truncated and seq.count(think_close) != 1:
         codes.append("think_close_count")
