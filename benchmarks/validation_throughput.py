@@ -5,6 +5,9 @@ with tool calls, usage counts from the true ids) go through, in the same run:
   reconstruct:  parse_response + prompt-free reconstruct_completion   (what must happen anyway)
   validate:     the same, plus every per-sample check (structure, decode, counts) and the verdict
 and it prints samples/s of each and the added time (target: validation adds at most 50%).
+The decode check is answered by Tokenizer.decodes_to: a tiktoken tokenizer proves it from the copy it
+keeps of each plain encoding; that copy is made inside encode_plain, so it is paid in both passes (it
+was not measurable above noise on reconstruction alone).
 
 Usage: python benchmarks/validation_throughput.py [--n 100000] [--tokenizer DIR]
 """
