@@ -359,7 +359,7 @@ class SimulatorServer:
 
     def respond(self, method: str, target: str, headers: Mapping[str, str], raw: bytes) -> list[tuple]:
         """The answer to one request as actions: ``("write", bytes)``, ``("sleep", s)``,
-        ``("until", s)`` (s seconds after the answer began), ``("close",)``, ``("reset",)``."""
+        ``("mark",)``, ``("until", s)`` (s seconds after the last mark), ``("close",)``, ``("reset",)``."""
         url = urlparse(target)
         if method == "GET":
             gid = (parse_qs(url.query).get("id") or [""])[0]
@@ -460,14 +460,14 @@ class SimulatorServer:
         latency = self._latency()
         first = latency / 10 if self.first_token_ms is None else self.first_token_ms / 1000
         times = pace_events([n for _, n in events], latency, first, self.stream_write_ms / 1000)
-        actions: list[tuple] = []
+        actions: list[tuple] = [("mark",)]  # times count from here (after a hang fault, if any)
         now, batch = 0.0, b""
         for (payload, _), at in zip(events, times):
             if at > now and batch:
                 actions.append(("write", batch))
                 batch = b""
             if at > now:
-                actions.append(("until", at))  # from the answer's start: timer lag does not add up
+                actions.append(("until", at))  # from the mark: timer lag does not add up
                 now = at
             batch += self._chunk(f"data: {payload}\n\n")
         return actions + [("write", batch + b"0\r\n\r\n")]
@@ -490,7 +490,7 @@ class _Connection(asyncio.Protocol):
         self.busy = False
         self.closed = False
         self.timer: asyncio.TimerHandle | None = None
-        self.started = 0.0  # loop time the current answer began
+        self.started = 0.0  # loop time of the current answer's last ("mark",)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -540,7 +540,6 @@ class _Connection(asyncio.Protocol):
             return
         method, target, headers, body = self.queue.pop(0)
         self.busy = True
-        self.started = asyncio.get_running_loop().time()
         self.sim.in_flight += 1
         self.sim.max_in_flight = max(self.sim.max_in_flight, self.sim.in_flight)
         try:
@@ -558,6 +557,8 @@ class _Connection(asyncio.Protocol):
             i += 1
             if act[0] == "write":
                 self.transport.write(act[1])
+            elif act[0] == "mark":
+                self.started = asyncio.get_running_loop().time()
             elif act[0] in ("sleep", "until"):
                 loop = asyncio.get_running_loop()
                 delay = act[1] if act[0] == "sleep" else self.started + act[1] - loop.time()
