@@ -3,9 +3,17 @@
 The stand-in (``python -m eagledata.standin``) runs in a SEPARATE process; the generation job (the same
 code as the ``generate`` rule, with the budget ledger, the response cache and progress) runs here with
 ``concurrency`` workers. The default is the real load shape compressed in time: 1,024 in flight, latency
-3 s +- 1 s, 6,144 requests, non-streamed bodies of 5-20 KB (``--stream`` for SSE). A real run has 1,024 in
-flight at about 30 s mean latency, i.e. about 34 requests/s; the client's CPU per request times 34 is
-what it costs there. ``--reference`` runs the old 50 ms / 256-in-flight shape, printed with no target.
+3 s +- 1 s, 6,144 requests, non-streamed bodies of 5-20 KB. A real run has 1,024 in flight at about 30 s
+mean latency, i.e. about 34 requests/s; the client's CPU per request times 34 is what it costs there.
+``--reference`` runs the old 50 ms / 256-in-flight shape, printed with no target.
+
+``--stream``: the same answers as SSE streams that the stand-in paces over each response's latency
+(``--paced-streams``: the first chunk after 300 ms, then chunks of one to three words at the rate that
+ends the stream at its latency; the chunks due within 20 ms leave in one write), about 1,000 events
+and 330 KB per answer. Each stream lasts 3 s +- 1 s (ten times faster than a real one), but only 102
+are in flight (a real run's 34 streams/s x 3 s), so the client receives and parses the events per
+second of a real run (about 35,000/s); 1,024 in flight would ask ten times that. ``--unpaced`` sends
+each stream whole after its latency.
 Printed:
 
   throughput ratio = requests/s / (concurrency / mean latency)  target >= 0.95 (real shape)
@@ -20,7 +28,8 @@ Samples are ``--prompts`` distinct prompts x ``--samples`` each (identical bodie
 the stand-in answers from its completion memo and its own CPU is not what is measured).
 
 Usage: python benchmarks/generation_throughput.py [--reference] [--requests N] [--concurrency N]
-       [--latency-ms MS] [--latency-jitter-ms MS] [--content-tokens MIN MAX] [--rounds 1] [--stream]
+       [--latency-ms MS] [--latency-jitter-ms MS] [--content-tokens MIN MAX] [--rounds 1]
+       [--stream [--unpaced] [--first-token-ms MS] [--stream-write-ms MS]]
 """
 from __future__ import annotations
 
@@ -89,7 +98,10 @@ def one_round(args: argparse.Namespace, tok: Path, base: str, tmp: Path, stand_i
     summary = generate_dataset(config, "bench", tmp / "results" / "bench" / "responses.jsonl", log=lambda _: None)
     wall, cpu = time.perf_counter() - w0, time.process_time() - c0
     server_cpu = sum(stand_in.cpu_times()[:2]) - s0
-    stored = sorted(stored_at(json.loads(line)) for line in open(tmp / "cache" / "bench" / "responses.jsonl"))
+    records = [json.loads(line) for line in open(tmp / "cache" / "bench" / "responses.jsonl")]
+    stored = sorted(stored_at(r) for r in records)
+    events = sum(r["response_raw"].count("\ndata: ") + r["response_raw"].startswith("data: ") for r in records)
+    body_bytes = sum(len(r["response_raw"].encode("utf-8")) for r in records)
     n = summary["requested"]
     assert summary["ok"] == n == summary["http_requests"], summary
     ideal = args.concurrency / mean_latency_s(args)
@@ -97,7 +109,8 @@ def one_round(args: argparse.Namespace, tok: Path, base: str, tmp: Path, stand_i
     phase, pcpu = summary["request_phase_s"], summary["request_phase_cpu_s"]
     return {"n": n, "steady": (hi - lo) / (stored[hi] - stored[lo]) / ideal, "phase": n / phase / ideal,
             "whole": n / wall / ideal, "phase_s": phase, "wall_s": wall, "cpu_core": cpu / wall, "phase_core": pcpu / phase,
-            "us_per_request": 1e6 * pcpu / n, "stand_in_core": server_cpu / wall}
+            "us_per_request": 1e6 * pcpu / n, "stand_in_core": server_cpu / wall,
+            "events_per_request": events / n, "events_per_s": events / phase, "kb_per_request": body_bytes / n / 1024}
 
 
 def bare_round(args: argparse.Namespace, base: str) -> dict:
@@ -136,10 +149,34 @@ def bare_round(args: argparse.Namespace, base: str) -> dict:
     return run_event_loop(run(), args.event_loop)
 
 
+def stand_in_command(args: argparse.Namespace, tok: Path, port_file: Path) -> list[str]:
+    """The stand-in's command line: its own process, the shape's latency and answer lengths; with
+    ``--stream`` (unless ``--unpaced``) each SSE stream lasts the response's latency, its first
+    chunk after ``--first-token-ms``, then chunks of a few tokens at the rate that fills the rest."""
+    cmd = [sys.executable, "-m", "eagledata.standin", "--tokenizer", str(tok), "--family", "kimi-k2.5",
+           "--latency-ms", str(args.latency_ms), "--latency-jitter-ms", str(args.latency_jitter_ms),
+           "--port-file", str(port_file), "--content-tokens", *map(str, args.content_tokens), "--reasoning-tokens", "8", "24"]
+    if args.stream and not args.unpaced:
+        cmd += ["--paced-streams", "--first-token-ms", str(args.first_token_ms), "--stream-write-ms", str(args.stream_write_ms)]
+    return cmd
+
+
+def body_kind(args: argparse.Namespace) -> str:
+    if not args.stream:
+        return "JSON bodies"
+    if args.unpaced:
+        return "SSE streams sent whole after the latency"
+    return (f"SSE streams paced over the latency (first chunk at {args.first_token_ms:g} ms, "
+            f"writes every {args.stream_write_ms:g} ms)")
+
+
 #: The real load shape, compressed in time (the target), and the old 50 ms reference shape.
 # The stand-in waits latency_ms + uniform(0, latency_jitter_ms): 2 s + U(0, 2 s) is 3 s +- 1 s.
 REAL = {"requests": 6144, "concurrency": 1024, "latency_ms": 2000.0, "latency_jitter_ms": 2000.0,
         "content_tokens": [1250, 5000]}
+#: Paced streams: the same latency and answers, but 102 in flight (a real run's 34 streams/s x 3 s), so the
+#: client parses the SSE events per second of a real run; 1,024 in flight would ask ten times that.
+STREAMED = {"requests": 2048, "concurrency": 102, "first_token_ms": 300.0, "stream_write_ms": 20.0}
 REFERENCE = {"requests": 8192, "concurrency": 256, "latency_ms": 50.0, "latency_jitter_ms": 0.0, "content_tokens": [8, 24]}
 REAL_REQUESTS_PER_S = 34  # 1,024 in flight at about 30 s mean latency
 
@@ -147,9 +184,9 @@ REAL_REQUESTS_PER_S = 34  # 1,024 in flight at about 30 s mean latency
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reference", action="store_true", help="the 50 ms / 256-in-flight shape (no target)")
-    ap.add_argument("--requests", type=int, default=None, help="default 6144 (reference: 8192)")
+    ap.add_argument("--requests", type=int, default=None, help="default 6144 (--stream: 2048; reference: 8192)")
     ap.add_argument("--prompts", type=int, default=64)
-    ap.add_argument("--concurrency", type=int, default=None, help="default 1024 (reference: 256)")
+    ap.add_argument("--concurrency", type=int, default=None, help="default 1024 (--stream: 102; reference: 256)")
     ap.add_argument("--latency-ms", type=float, default=None, help="the stand-in's fixed latency; default 2000 (reference: 50)")
     ap.add_argument("--latency-jitter-ms", type=float, default=None,
                     help="the stand-in adds uniform(0, this) to each latency; default 2000, i.e. 3 s +- 1 s (reference: 0)")
@@ -157,9 +194,17 @@ def main() -> int:
                     help="answer length range (about 4 bytes of body per token): default 1250 5000 = 5-20 KB bodies")
     ap.add_argument("--rounds", type=int, default=1, help="jobs run one after another; the median is the result")
     ap.add_argument("--event-loop", default="auto", choices=["auto", "uvloop", "asyncio"])
-    ap.add_argument("--stream", action="store_true", help="SSE streams instead of JSON bodies")
+    ap.add_argument("--stream", action="store_true",
+                    help="SSE streams instead of JSON bodies, paced by the stand-in over each response's latency")
+    ap.add_argument("--unpaced", action="store_true", help="with --stream: each stream sent whole after its latency")
+    ap.add_argument("--first-token-ms", type=float, default=STREAMED["first_token_ms"],
+                    help="paced streams: time to the first chunk (default 300: a tenth of the mean latency)")
+    ap.add_argument("--stream-write-ms", type=float, default=STREAMED["stream_write_ms"],
+                    help="paced streams: the stand-in sends the chunks due within this interval in one write (default 20)")
     args = ap.parse_args()
     shape = REFERENCE if args.reference else REAL
+    if args.stream and not args.reference:
+        shape = {**shape, "requests": STREAMED["requests"], "concurrency": STREAMED["concurrency"]}
     for key, value in shape.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -170,11 +215,7 @@ def main() -> int:
         tmp = Path(d)
         tok = _tokenizer_dir(tmp)
         port_file = tmp / "port"
-        server = subprocess.Popen([sys.executable, "-m", "eagledata.standin", "--tokenizer", str(tok), "--family", "kimi-k2.5",
-                                   "--latency-ms", str(args.latency_ms), "--latency-jitter-ms", str(args.latency_jitter_ms),
-                                   "--port-file", str(port_file),
-                                   "--content-tokens", *map(str, args.content_tokens), "--reasoning-tokens", "8", "24"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        server = subprocess.Popen(stand_in_command(args, tok, port_file), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
             t0 = time.monotonic()
             while not port_file.exists() or not port_file.read_text():
@@ -188,8 +229,12 @@ def main() -> int:
             for i in range(args.rounds):
                 r = one_round(args, tok, base, tmp / f"round{i}", server.pid)
                 rounds.append(r)
+                answers = f"{r['kb_per_request']:.1f} KB per answer"
+                if args.stream:
+                    answers += f", {r['events_per_request']:.0f} SSE events each ({r['events_per_s']:,.0f} events/s)"
                 print(f"round {i + 1}: steady {r['steady']:.3f}, request phase {r['phase']:.3f}, client "
-                      f"{r['phase_core']:.2f} core, {r['us_per_request']:.0f} us CPU/request, stand-in {r['stand_in_core']:.2f} core")
+                      f"{r['phase_core']:.2f} core, {r['us_per_request']:.0f} us CPU/request, stand-in "
+                      f"{r['stand_in_core']:.2f} core, {answers}")
         finally:
             server.terminate()
             server.wait(timeout=10)
@@ -202,7 +247,7 @@ def main() -> int:
 
     ideal = args.concurrency / mean_latency_s(args)
     print(f"\n{rounds[0]['n']} requests per round, {args.rounds} rounds, concurrency {args.concurrency}, latency "
-          f"{args.latency_ms:g} ms + U(0, {args.latency_jitter_ms:g} ms) ({ideal:,.0f} req/s = concurrency/latency), {'SSE' if args.stream else 'JSON'}, "
+          f"{args.latency_ms:g} ms + U(0, {args.latency_jitter_ms:g} ms) ({ideal:,.0f} req/s = concurrency/latency), {body_kind(args)}, "
           f"event loop {args.event_loop}; medians [min..max]:")
     target = "no target (reference shape)" if args.reference else "target >= 0.95"
     print(f"throughput (steady state, 10%-90% of answers): {med('steady'):.3f} x concurrency/latency {span('steady')}   "
@@ -223,6 +268,10 @@ def main() -> int:
           f"request phase {bare['phase']:.3f}; the job reaches {med('steady') / bare['steady']:.3f} and "
           f"{med('phase') / bare['phase']:.3f} of it")
     print(f"stand-in CPU: {med('stand_in_core'):.2f} core (a Python server on the same {os.cpu_count()} cores)")
+    if args.stream:
+        print(f"answers: {med('kb_per_request'):.1f} KB, {med('events_per_request'):.0f} SSE events each; the client parsed "
+              f"{med('events_per_s'):,.0f} events/s here, {med('events_per_request') * REAL_REQUESTS_PER_S:,.0f} events/s "
+              f"at a real run's {REAL_REQUESTS_PER_S} requests/s")
     print(f"machine load average: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     return 0
 

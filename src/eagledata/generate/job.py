@@ -190,7 +190,9 @@ def start_simulator(run: Run) -> Any:
 
     s, sim = run.settings, run.config.get("simulator") or {}
     server = SimulatorServer(run.tokenizer, s.family, seed=int(sim.get("seed", 0)), profile=sim.get("provider", "exact"),
-                             latency_ms=float(sim.get("latency_ms", 0)), price_per_mtok=s.model.get("price_per_mtok")).start()
+                             latency_ms=float(sim.get("latency_ms", 0)), latency_jitter_ms=float(sim.get("latency_jitter_ms", 0)),
+                             paced_streams=bool(sim.get("paced_streams", False)), first_token_ms=sim.get("first_token_ms"),
+                             price_per_mtok=s.model.get("price_per_mtok")).start()
     run.api_base = server.base_url
     run.work.url = run.api_base + "/chat/completions"
     return server

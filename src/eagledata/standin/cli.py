@@ -25,8 +25,15 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", default="exact", choices=sorted(PROFILES))
     ap.add_argument("--api", default="openrouter", choices=("openrouter", "sglang"))
-    ap.add_argument("--latency-ms", type=float, default=0)
-    ap.add_argument("--latency-jitter-ms", type=float, default=0)
+    ap.add_argument("--latency-ms", type=float, default=0, help="each answer's latency (its body, or its whole paced stream)")
+    ap.add_argument("--latency-jitter-ms", type=float, default=0, help="adds uniform(0, this) to each latency")
+    ap.add_argument("--paced-streams", action="store_true",
+                    help="spread each SSE stream over its latency (first chunk, then chunks of a few tokens at a "
+                         "constant rate) instead of sending it whole after the latency")
+    ap.add_argument("--first-token-ms", type=float, default=None,
+                    help="paced streams: time to the first chunk (default: a tenth of the latency)")
+    ap.add_argument("--stream-write-ms", type=float, default=20,
+                    help="paced streams: the chunks due within this interval leave in one write (0: one write per chunk)")
     ap.add_argument("--price", type=float, nargs=2, metavar=("PROMPT", "COMPLETION"), default=(0.6, 2.5),
                     help="USD per million tokens")
     ap.add_argument("--content-tokens", type=int, nargs=2, metavar=("MIN", "MAX"), default=None)
@@ -51,7 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     family = get_family(args.family)
     tok = load_tokenizer(args.tokenizer, family)
     server = SimulatorServer(tok, family, seed=args.seed, profile=args.profile, latency_ms=args.latency_ms,
-                             latency_jitter_ms=args.latency_jitter_ms, price_per_mtok=tuple(args.price), faults=faults,
+                             latency_jitter_ms=args.latency_jitter_ms, paced_streams=args.paced_streams,
+                             first_token_ms=args.first_token_ms, stream_write_ms=args.stream_write_ms, price_per_mtok=tuple(args.price), faults=faults,
                              host=args.host, port=args.port, api=args.api, **options).start()
     if args.port_file:
         Path(args.port_file).write_text(str(server.port))

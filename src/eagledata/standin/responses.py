@@ -9,6 +9,7 @@ the request.
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 from collections import OrderedDict
@@ -129,6 +130,14 @@ def json_body(g: Generation, padding: str) -> str:
 
 def sse_events(g: Generation, fail_midway: bool = False, malformed: bool = False) -> Iterator[str]:
     """The stream's ``data:`` payloads (without the ``data: `` prefix), ``[DONE]`` last."""
+    return (payload for payload, _ in sse_stream(g, fail_midway, malformed))
+
+
+def sse_stream(g: Generation, fail_midway: bool = False, malformed: bool = False) -> list[tuple[str, int]]:
+    """The stream's events as ``(payload, generated)``: the ``data:`` payload (without the prefix)
+    and how many characters of generated text it carries (reasoning, content or tool-call text;
+    0 for the finish, usage, error and ``[DONE]`` events), which is what a paced stream spends its
+    time on (see :func:`pace_events`)."""
     m = g.message
     rng = random.Random(g.id)
     head = {"id": g.id, "provider": g.provider, "model": g.model, "object": "chat.completion.chunk", "created": g.created}
@@ -138,30 +147,52 @@ def sse_events(g: Generation, fail_midway: bool = False, malformed: bool = False
                                             "finish_reason": finish, "native_finish_reason": finish,
                                             "logprobs": None}], "system_fingerprint": None, **extra})
 
-    deltas: list[str] = []
+    deltas: list[tuple[str, int]] = []
     for piece in pieces(m.reasoning, rng) if m.reasoning is not None else ():
-        deltas.append(chunk({"content": "", "reasoning": piece, "reasoning_details": [
-            {"type": "reasoning.text", "text": piece, "format": "unknown", "index": 0}]}))
+        deltas.append((chunk({"content": "", "reasoning": piece, "reasoning_details": [
+            {"type": "reasoning.text", "text": piece, "format": "unknown", "index": 0}]}), len(piece)))
     for piece in pieces(m.content, rng) if m.content else ():
-        deltas.append(chunk({"content": piece}))
+        deltas.append((chunk({"content": piece}), len(piece)))
     for i, c in enumerate(m.tool_calls):
         call = {"index": i, "id": c["id"], "type": "function"}
-        deltas.append(chunk({"content": None, "tool_calls": [{**call, "function": {"name": c["name"], "arguments": ""}}]}))
+        deltas.append((chunk({"content": None, "tool_calls": [{**call, "function": {"name": c["name"], "arguments": ""}}]}),
+                       len(c["name"])))
         for piece in pieces(c["arguments"], rng):
-            deltas.append(chunk({"content": None, "tool_calls": [{**call, "function": {"name": "", "arguments": piece}}]}))
+            deltas.append((chunk({"content": None, "tool_calls": [{**call, "function": {"name": "", "arguments": piece}}]}),
+                           len(piece)))
     if fail_midway:
-        yield from deltas[: len(deltas) // 2]
-        yield dumps({**head, "error": {"code": 502, "message": "Upstream provider disconnected mid-stream"},
-                      "choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "error",
-                                   "native_finish_reason": "error"}]})
-        return
+        error = dumps({**head, "error": {"code": 502, "message": "Upstream provider disconnected mid-stream"},
+                       "choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "error",
+                                    "native_finish_reason": "error"}]})
+        return deltas[: len(deltas) // 2] + [(error, 0)]
     if malformed and deltas:
         k = len(deltas) // 2
-        deltas[k] = deltas[k][: len(deltas[k]) // 2]
-    yield from deltas
-    yield chunk({"content": ""}, m.finish_reason)
-    yield chunk({"content": ""}, None, usage=g.usage)
-    yield "[DONE]"
+        deltas[k] = (deltas[k][0][: len(deltas[k][0]) // 2], deltas[k][1])
+    return deltas + [(chunk({"content": ""}, m.finish_reason), 0), (chunk({"content": ""}, None, usage=g.usage), 0),
+                     ("[DONE]", 0)]
+
+
+def pace_events(generated: list[int], latency_s: float, first_token_s: float, write_s: float) -> list[float]:
+    """When each event of a paced stream is sent, in seconds after the request (one per entry of
+    ``generated``, the characters of text each event carries, as :func:`sse_stream` gives them).
+
+    The stream lasts the response's latency: the first event after ``first_token_s`` (the time to
+    first token, at most the latency), then the text at one constant rate (characters stand for
+    tokens: a chunk of a few tokens waits for its share of the time), the last text at
+    ``latency_s``, and the events that carry no text (finish, usage, ``[DONE]``) right after the
+    text before them. Times are rounded up to multiples of ``write_s`` (when > 0), so the events due
+    within one such interval leave in one write, as a serving stack flushes them."""
+    first = min(max(first_token_s, 0.0), latency_s)
+    if not generated:
+        return []
+    rest = sum(generated) - generated[0]
+    span, done, times = latency_s - first, 0, []
+    for k, chars in enumerate(generated):
+        done += chars if k else 0
+        times.append(first if not k else first + span * done / rest if rest else latency_s)
+    if write_s > 0:
+        times = [min(math.ceil(t / write_s - 1e-9) * write_s, latency_s) if t > first else t for t in times]
+    return times
 
 
 # ----------------------------------------------------------------------------------------------

@@ -56,7 +56,8 @@ from eagledata.standin.responses import (
     prompt_hash,
     sglang_chat_body,
     sglang_generate_body,
-    sse_events,
+    pace_events,
+    sse_stream,
 )
 from eagledata.text.chat import ChatTemplateError
 from eagledata.text.families import ModelFamily
@@ -82,7 +83,12 @@ class SimulatorServer:
     tokens (or a pair). ``faults``: ``{request_number: Fault | "429" | ...}`` (1-based, over
     completion requests) or a callable ``(request_number, body) -> Fault | str | None``.
     ``latency_ms`` (+ up to ``latency_jitter_ms``) is spent before the answer's body, after its
-    headers (with ``X-Generation-Id``) and OpenRouter's keep-alive padding. Truth and stats are kept
+    headers (with ``X-Generation-Id``) and OpenRouter's keep-alive padding. ``paced_streams``: an SSE
+    stream is spread over that latency instead of sent whole after it: the first chunk after
+    ``first_token_ms`` (default: a tenth of the latency), then chunks of a few tokens at the constant
+    rate that ends the stream at the latency, the chunks due within ``stream_write_ms`` in one write
+    (the bytes are those of the unpaced stream; see
+    :func:`~eagledata.standin.responses.pace_events`). Truth and stats are kept
     for the last ``max_generations`` responses. Extra keyword arguments go to
     :class:`CompletionModel` (``reasoning_tokens``, ``content_tokens``: (min, max) target lengths;
     ``tool_call_probability``).
@@ -98,13 +104,15 @@ class SimulatorServer:
                  price_per_mtok: Mapping[str, float] | Sequence[float] | None = None,
                  faults: FaultPlan = None, host: str = "127.0.0.1", port: int = 0,
                  max_generations: int = 50_000, api: str = "openrouter", sglang_trim_stop: bool = False,
-                 latency_jitter_ms: float = 0, **model_options: Any):
+                 latency_jitter_ms: float = 0, paced_streams: bool = False, first_token_ms: float | None = None,
+                 stream_write_ms: float = 20, **model_options: Any):
         if api not in ("openrouter", "sglang"):
             raise ValueError(f"api must be 'openrouter' or 'sglang', got {api!r}")
         self.engine = CompletionModel(tokenizer, family, seed, **model_options)
         self.tokenizer, self.family, self.seed = tokenizer, family, seed
         self.profile = get_profile(profile)
         self.latency_ms, self.latency_jitter_ms = latency_ms, latency_jitter_ms
+        self.paced_streams, self.first_token_ms, self.stream_write_ms = paced_streams, first_token_ms, stream_write_ms
         self.api, self.sglang_trim_stop = api, sglang_trim_stop
         if price_per_mtok is None:
             price_per_mtok = {"prompt": 0.6, "completion": 2.5}
@@ -351,7 +359,7 @@ class SimulatorServer:
 
     def respond(self, method: str, target: str, headers: Mapping[str, str], raw: bytes) -> list[tuple]:
         """The answer to one request as actions: ``("write", bytes)``, ``("sleep", s)``,
-        ``("close",)``, ``("reset",)``, ``("call", fn)``."""
+        ``("mark",)``, ``("until", s)`` (s seconds after the last mark), ``("close",)``, ``("reset",)``."""
         url = urlparse(target)
         if method == "GET":
             gid = (parse_qs(url.query).get("id") or [""])[0]
@@ -438,9 +446,31 @@ class SimulatorServer:
                           ("sleep", latency), ("write", data[pad:])]
         self._bill(g, 0.5 if failing else 1.0)  # a stream cut mid-way was partly generated: partly billed
         first = self._head(200, "text/event-stream", None, {"Cache-Control": "no-cache", **gen_header})
-        events = b"".join(self._chunk(f"data: {e}\n\n") for e in sse_events(g, fail_midway=failing, malformed=malformed))
-        return pre + [("write", first + self._chunk(PROCESSING_COMMENT + "\n\n")), ("sleep", self._latency()),
-                      ("write", events + b"0\r\n\r\n")]
+        events = sse_stream(g, fail_midway=failing, malformed=malformed)
+        opening = [("write", first + self._chunk(PROCESSING_COMMENT + "\n\n"))]
+        if not self.paced_streams:
+            data = b"".join(self._chunk(f"data: {e}\n\n") for e, _ in events)
+            return pre + opening + [("sleep", self._latency()), ("write", data + b"0\r\n\r\n")]
+        return pre + opening + self._paced(events)
+
+    def _paced(self, events: list[tuple[str, int]]) -> list[tuple]:
+        """A paced stream's actions: the events spread over the response's latency
+        (:func:`~eagledata.standin.responses.pace_events`), each group of events due at one time
+        in one write, the stream's end with the last."""
+        latency = self._latency()
+        first = latency / 10 if self.first_token_ms is None else self.first_token_ms / 1000
+        times = pace_events([n for _, n in events], latency, first, self.stream_write_ms / 1000)
+        actions: list[tuple] = [("mark",)]  # times count from here (after a hang fault, if any)
+        now, batch = 0.0, b""
+        for (payload, _), at in zip(events, times):
+            if at > now and batch:
+                actions.append(("write", batch))
+                batch = b""
+            if at > now:
+                actions.append(("until", at))  # from the mark: timer lag does not add up
+                now = at
+            batch += self._chunk(f"data: {payload}\n\n")
+        return actions + [("write", batch + b"0\r\n\r\n")]
 
     @staticmethod
     def _chunk(text: str) -> bytes:
@@ -460,6 +490,7 @@ class _Connection(asyncio.Protocol):
         self.busy = False
         self.closed = False
         self.timer: asyncio.TimerHandle | None = None
+        self.started = 0.0  # loop time of the current answer's last ("mark",)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -526,9 +557,13 @@ class _Connection(asyncio.Protocol):
             i += 1
             if act[0] == "write":
                 self.transport.write(act[1])
-            elif act[0] == "sleep":
-                if act[1] > 0:
-                    self.timer = asyncio.get_running_loop().call_later(act[1], self._play, actions, i)
+            elif act[0] == "mark":
+                self.started = asyncio.get_running_loop().time()
+            elif act[0] in ("sleep", "until"):
+                loop = asyncio.get_running_loop()
+                delay = act[1] if act[0] == "sleep" else self.started + act[1] - loop.time()
+                if delay > 0:
+                    self.timer = loop.call_later(delay, self._play, actions, i)
                     return
             elif act[0] == "close":
                 self.transport.close()
