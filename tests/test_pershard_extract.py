@@ -41,7 +41,7 @@ def _configure(work: Path, prompts: Path, shard_size: int, **extraction) -> None
 def _store(work: Path) -> dict[str, tuple[str, int]]:
     """Hidden shard file -> (sha256, mtime_ns), as in the store."""
     return {p.name: (sha256_file(p), p.stat().st_mtime_ns)
-            for p in (work / "results/ds/hidden.store").glob("*.safetensors")}
+            for p in (work / "results/ds/hidden.store").glob("*.safetensors") if p.is_file()}
 
 
 def _ids(work: Path, name: str) -> set[str]:
@@ -105,10 +105,10 @@ def test_one_new_prompt_reextracts_only_the_shard_holding_it(tmp_path):
 @pytest.fixture(scope="module")
 def sixteen_shards(tmp_path_factory):
     """The demo's 16 tool prompts at shard_size 1 (16 shards), one GPU per extract job, run up to the
-    extraction plan."""
+    extraction plan, and the demo model built."""
     work = _copy_repo(tmp_path_factory.mktemp("gpu") / "w")
     _configure(work, work / "config/demo/tools.jsonl", shard_size=1, device="auto", gpus_per_job=1)
-    snakemake(work, PLAN)
+    snakemake(work, PLAN, "results/_assets/demo-model")
     assert len(_plan_keys(work)) == 16
     return work
 
