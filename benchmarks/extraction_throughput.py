@@ -22,6 +22,7 @@ of the per-token relative error), and each dtype's bytes per token against its m
 
 Usage: python benchmarks/extraction_throughput.py [--samples 96] [--dtype float32] [--threads 2]
        [--weights DIR] [--device cpu|cuda] [--compute-dtype auto|bfloat16] [--batch-tokens 4096]
+       [--repeats 3] [--skip-storage]
 Default model: the demo DeepseekV3 (random weights) built into a temp dir. On a GPU box pass a
 >= 1B model directory with --weights and --device cuda --compute-dtype bfloat16.
 """
@@ -216,6 +217,7 @@ def main() -> None:
     ap.add_argument("--weights", default=None)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None, help="also write the numbers to this file")
+    ap.add_argument("--skip-storage", action="store_true", help="throughput and bytes only (no bf16/fp8 comparison)")
     args = ap.parse_args()
 
     import torch
@@ -282,7 +284,8 @@ def main() -> None:
           f"{res['all_files_over_payload_min']:.5f}   (target <= 1.01)")
     print(f"vs hidden-only min  {res['all_files_over_hidden_min']:>10.5f}   (ids + mask are 9 bytes/token; at K2.5's "
           f"{k25} bytes/token: {res['k25_projected_over_hidden_min']:.5f})")
-    res["storage"] = storage_comparison(tokens, weights, backend, args, tmp)
+    if not args.skip_storage:
+        res["storage"] = storage_comparison(tokens, weights, backend, args, tmp)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
     shutil.rmtree(tmp, ignore_errors=True)

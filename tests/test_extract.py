@@ -562,7 +562,9 @@ def test_clean_run_records_rms_and_rerun_diff(fp32_out, token_rows):
 def test_rerun_sample_is_batched_with_others():
     from eagledata.extract.checks import pick_rerun_sample, rerun_rtol
 
-    assert pick_rerun_sample([[3], [1, 0, 2]]) == 1
+    # batches run longest first: the last sample of the last multi-sample batch is the most padded one
+    assert pick_rerun_sample([[3], [1, 0, 2]]) == 2
+    assert pick_rerun_sample([[3], [1, 0], [4, 5, 6], [7]]) == 6
     assert pick_rerun_sample([[3], [1]]) == 3
     assert pick_rerun_sample([]) is None
     assert rerun_rtol("float32", "bfloat16") == rerun_rtol("bfloat16", None) > rerun_rtol("float32", "float32")
