@@ -211,6 +211,16 @@ def prune_store(store: Path, keep: Sequence[str]) -> None:
             p.unlink()
 
 
+def _prune_records(record_paths: Sequence[str | Path]) -> None:
+    """Remove job records of keys the plan no longer has (beside the current ones)."""
+    if not record_paths:
+        return
+    current = {Path(p).resolve() for p in record_paths}
+    for p in Path(record_paths[0]).parent.glob("*.json"):
+        if p.resolve() not in current:
+            p.unlink()
+
+
 def gather_hidden(plan_path: str | Path, record_paths: Sequence[str | Path], out_dir: str | Path,
                   store_dir: str | Path, settings: ExtractionSettings) -> dict[str, Any]:
     """``out_dir``: ``manifest.json`` and ``index.parquet`` of the plan's shards (in plan order, one
@@ -235,6 +245,7 @@ def gather_hidden(plan_path: str | Path, record_paths: Sequence[str | Path], out
     write_manifest(out / "manifest.json", manifest)
     warn_long_samples(manifest)
     prune_store(store, [s["file"] for s in shards_out])
+    _prune_records(record_paths)
     fresh = [s for s in shards_out if not s.get("resumed")]
     log.info("gathered %d shards (%d samples, %d tokens) in %.1f s; the records say %d were extracted by their job, "
              "%d kept from the store", len(shards_out), manifest["samples"], manifest["tokens"],
