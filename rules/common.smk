@@ -151,3 +151,24 @@ def generate_tokenizer(wildcards):
         return shaped
     files = tokenizer_input(wildcards)
     return [ancient(f) for f in ([files] if isinstance(files, str) else files)]
+
+
+# Extraction's per-shard input functions (rules/extract.smk, eagledata.extract.pershard): the checkpoint
+# extract_plan maps each stable shard key to its content-named token shard.
+from eagledata.extract.plan import plan_sources
+
+
+def extract_plan_sources(wildcards):
+    plan = checkpoints.extract_plan.get(dataset=wildcards.dataset).output.plan
+    return plan_sources(plan)
+
+
+def extract_shard_source(wildcards):
+    """The token shard (in tokens.store, content-named) the job of shard key `wildcards.shard` extracts."""
+    return extract_plan_sources(wildcards)[wildcards.shard]
+
+
+def extract_shard_records(wildcards):
+    """Every shard job's record, in plan order: the gather's inputs."""
+    work = f"{RESULTS}/{wildcards.dataset}/hidden.work/shards"
+    return [f"{work}/{key}.json" for key in extract_plan_sources(wildcards)]

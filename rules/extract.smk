@@ -1,6 +1,6 @@
-# Hidden-state extraction (HF or SGLang backend) and the tiny random demo model.
-# Needs from rules/common.smk: RESULTS (config["results_dir"]) and weights_input(wildcards)
-# (the weights dir of the dataset's model).
+# Hidden-state extraction (HF or SGLang backend), one job per token shard, and the tiny random demo model.
+# Needs from rules/common.smk: RESULTS (config["results_dir"]), weights_input(wildcards) (the weights dir
+# of the dataset's model), extract_shard_source and extract_shard_records (the plan's input functions).
 # The final hidden state is always stored BEFORE the final norm, with the norm's weight and eps
 # (eagledata.extract.norm): the SpecForge export derives the after-norm state, speculators reads it as is.
 
@@ -37,14 +37,48 @@ rule demo_model:
         "../scripts/build_demo_model.py"
 
 
-rule extract:
+# Extraction runs as one job per token shard (eagledata.extract.pershard):
+#   checkpoint extract_plan  after tokens and validate (validation gates extraction): hidden.work/plan.json,
+#                            per stable shard key its content-named token shard in tokens.store/
+#   rule extract_shard       one job per key, resources gpu = extraction.gpus_per_job (the job claims concrete
+#                            devices with flock before importing torch): hidden.store/{token stem}.safetensors
+#                            (+ {stem}.json, its record) and hidden.work/shards/{key}.json
+#   rule extract             gather: hidden/ = manifest.json, index.parquet, hard links into hidden.store/
+# A shard job's inputs are its content-named token shard, the weights and the code, its params the
+# settings that shape the shards: nothing another shard changes, so an unchanged shard never reruns.
+# hidden.store/ is no output: Snakemake's deletion of the directory() output hidden/ cannot touch it.
+HIDDEN_WORK = f"{RESULTS}/{{dataset}}/hidden.work"
+HIDDEN_STORE = f"{RESULTS}/{{dataset}}/hidden.store"
+
+for _name in ("extract_plan", "extract_shard"):
+    if _name in DATASETS:
+        raise ValueError(f"config: dataset name {_name!r} clashes with rule {_name}; rename it")
+
+
+checkpoint extract_plan:
+    """The dataset's shard keys and their content-named token shards (after validation passed)."""
     input:
         tokens=f"{RESULTS}/{{dataset}}/tokens",
         validation=f"{RESULTS}/{{dataset}}/validation.json",  # validation gates extraction
-        weights=weights_input,
-        code=code_of("scripts/extract.py"),
+        code=code_of("scripts/extract_plan.py"),
     output:
-        directory(f"{RESULTS}/{{dataset}}/hidden"),
+        plan=f"{HIDDEN_WORK}/plan.json",
+    log:
+        "logs/{dataset}/extract_plan.log",
+    conda:
+        "../envs/core.yaml"
+    script:
+        "../scripts/extract_plan.py"
+
+
+rule extract_shard:
+    """One token shard's hidden states into the store (resume, disk check, atomic write, sanity checks)."""
+    input:
+        tokens=extract_shard_source,  # tokens.store/{content-named shard}: a new name iff new content
+        weights=weights_input,
+        code=code_of("scripts/extract_shard.py"),
+    output:
+        f"{HIDDEN_WORK}/shards/{{shard}}.json",
     params:
         # what the shards contain: a change reruns extraction (device, batch size, GPUs do not)
         layers=config["extraction"]["layers"],
@@ -52,15 +86,42 @@ rule extract:
         compute_dtype=config["extraction"]["compute_dtype"],
         backend=config["extraction"]["backend"],
         length_limit=lambda wc: LENGTH_LIMITS[wc.dataset],
+        # read, not an input: the plan is rewritten whenever any shard changes
+        plan=f"{HIDDEN_WORK}/plan.json",
+        store=HIDDEN_STORE,
     resources:
         # Snakemake only counts GPUs (--resources gpu=8); the job claims concrete indices itself
         gpu=config["extraction"]["gpus_per_job"],
     threads: 2
     log:
-        "logs/{dataset}/extract.log",
+        "logs/{dataset}/extract_shard/{shard}.log",
     benchmark:
-        "benchmarks/out/{dataset}/extract.tsv"
+        "benchmarks/out/{dataset}/extract_shard/{shard}.tsv"
     conda:
         "../envs/gpu.yaml"
+    script:
+        "../scripts/extract_shard.py"
+
+
+rule extract:
+    """Gather the shards: hidden/manifest.json, index.parquet and a hard link per shard."""
+    input:
+        plan=f"{HIDDEN_WORK}/plan.json",
+        shards=extract_shard_records,
+        weights=weights_input,
+        code=code_of("scripts/extract.py"),
+    output:
+        directory(f"{RESULTS}/{{dataset}}/hidden"),
+    params:
+        layers=config["extraction"]["layers"],
+        dtype=config["extraction"]["dtype"],
+        compute_dtype=config["extraction"]["compute_dtype"],
+        backend=config["extraction"]["backend"],
+        length_limit=lambda wc: LENGTH_LIMITS[wc.dataset],
+        store=HIDDEN_STORE,
+    log:
+        "logs/{dataset}/extract.log",
+    conda:
+        "../envs/core.yaml"
     script:
         "../scripts/extract.py"

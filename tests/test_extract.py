@@ -562,7 +562,9 @@ def test_clean_run_records_rms_and_rerun_diff(fp32_out, token_rows):
 def test_rerun_sample_is_batched_with_others():
     from eagledata.extract.checks import pick_rerun_sample, rerun_rtol
 
-    assert pick_rerun_sample([[3], [1, 0, 2]]) == 1
+    # batches run longest first: the last sample of the last multi-sample batch is the most padded one
+    assert pick_rerun_sample([[3], [1, 0, 2]]) == 2
+    assert pick_rerun_sample([[3], [1, 0], [4, 5, 6], [7]]) == 6
     assert pick_rerun_sample([[3], [1]]) == 3
     assert pick_rerun_sample([]) is None
     assert rerun_rtol("float32", "bfloat16") == rerun_rtol("bfloat16", None) > rerun_rtol("float32", "float32")
@@ -760,3 +762,57 @@ def test_fp8_is_stored_not_computed(tmp_path, token_rows, weights, model):
                            dtype="float8_e5m2")
     with pytest.raises(ExtractionError):
         ex.check_settings("hf", "float8_e4m3fn", "float8_e4m3fn", 100)
+
+
+# --------------------------------------------------------------------------- one job per shard (issue 12 point 2)
+
+
+def _per_shard_plan(tokens: Path, plan: Path) -> list[dict]:
+    """The plan the checkpoint extract_plan writes, for a tokens dir whose manifest has no stable keys."""
+    from eagledata.extract.plan import PLAN_FORMAT
+
+    m = json.loads((tokens / "manifest.json").read_text())
+    shards = [{"key": f"{k:016x}", **e} for k, e in enumerate(m["shards"])]
+    plan.write_text(json.dumps({"format": PLAN_FORMAT, "dataset": m["dataset"], "tokenizer_fingerprint":
+                                m["tokenizer_fingerprint"], "token_store": str(tokens), "shards": shards}))
+    return shards
+
+
+def test_per_shard_jobs_give_the_one_process_extraction_and_resume_on_code_identity(tmp_path, fp32_out, token_rows,
+                                                                                     weights, model):
+    """extract_keyed_shard per key + gather_hidden: the same tensors, index and per-shard checks as
+    extract_dataset; a second job with the same source, settings and code keeps the stored shard
+    untouched (resumed, checks from the sidecar); another code fingerprint re-extracts it."""
+    from eagledata.extract.pershard import ExtractionSettings, extract_keyed_shard, gather_hidden
+    from eagledata.extract.storage import read_index
+
+    root, one_job = fp32_out
+    tokens = write_tokens(tmp_path / "tokens", token_rows)
+    plan = tmp_path / "plan.json"
+    shards = _per_shard_plan(tokens, plan)
+    store, work = tmp_path / "hidden.store", tmp_path / "hidden.work"
+    settings = ExtractionSettings(weights=str(weights), dtype="float32", device="cpu", batch_tokens=200,
+                                  code_fingerprint="code-1")
+
+    def run_all(s):
+        return [extract_keyed_shard(plan, e["key"], tokens / e["file"], store, work / f"{e['key']}.json", s,
+                                    model=model) for e in shards]
+
+    first = run_all(settings)
+    manifest = gather_hidden(plan, [work / f"{e['key']}.json" for e in shards], tmp_path / "hidden", store, settings)
+    assert [s["file"] for s in manifest["shards"]] == [s["file"] for s in one_job["shards"]]
+    for ours, theirs in zip(manifest["shards"], one_job["shards"]):
+        a, b = load_file(tmp_path / "hidden" / ours["file"]), load_file(root / "hidden" / theirs["file"])
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        assert ours["checks"] == theirs["checks"] and ours["samples"] == theirs["samples"]
+    assert read_index(tmp_path / "hidden").equals(read_index(root / "hidden"))
+    assert {k: manifest[k] for k in ("samples", "tokens", "layers", "final_norm", "dtype", "format")} == {
+        k: one_job[k] for k in ("samples", "tokens", "layers", "final_norm", "dtype", "format")}
+    assert not any(r["resumed"] for r in first)
+    stamps = {p.name: p.stat().st_mtime_ns for p in store.iterdir()}
+    again = run_all(settings)
+    assert all(r["resumed"] for r in again) and [r["checks"] for r in again] == [r["checks"] for r in first]
+    assert {p.name: p.stat().st_mtime_ns for p in store.iterdir()} == stamps
+    changed = run_all(ExtractionSettings(**{**settings.__dict__, "code_fingerprint": "code-2"}))
+    assert not any(r["resumed"] for r in changed)
+    assert all(p.stat().st_mtime_ns != stamps[p.name] for p in store.glob("*.safetensors"))

@@ -1,8 +1,11 @@
 """profiles/slurm: parses, the workflow dry-runs with it (snakemake-executor-plugin-slurm must be
-installed: it is in the `test` extra), extract jobs carry gpu=N and the plugin turns that into
---gpus=N. No SLURM cluster here: nothing is submitted."""
+installed: it is in the `test` extra), there is one extract_shard job per token shard, each carries
+gpu=N (the plugin turns that into --gpus=N) on the GPU partition, and the gather and the plan run on
+the CPU partition. No SLURM cluster here: nothing is submitted (the stages before the extraction plan,
+a checkpoint, run locally first so that the dry run knows the shards)."""
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -24,7 +27,9 @@ def test_profile_parses():
     assert prof["executor"] == "slurm"
     assert isinstance(prof["jobs"], int) and prof["jobs"] > 0
     assert {"slurm_partition", "runtime", "mem_mb", "cpus_per_task"} <= set(prof["default-resources"])
-    assert "extract" in prof["set-resources"] and "gpu" not in prof["set-resources"]["extract"]  # gpu comes from the rule
+    shard = prof["set-resources"]["extract_shard"]
+    assert shard["slurm_partition"] == "gpu" and "gpu" not in shard  # gpu comes from the rule
+    assert "slurm_partition" not in prof["set-resources"]["extract"]  # the gather runs on the CPU partition
     assert "resources" not in prof  # no single-machine GPU cap on a cluster
 
 
@@ -39,11 +44,17 @@ def dry_run(tmp_path_factory):
             shutil.copy2(src, work / name)
     cfg = yaml.safe_load((work / "config" / "config.yaml").read_text())
     cfg["extraction"].update(gpus_per_job=8, device="auto")  # K2.5-style: one job per 8-GPU node
+    cfg["tokens"] = {**(cfg.get("tokens") or {}), "shard_size": 6}  # a few shards per dataset
     (work / "gpu.yaml").write_text(yaml.safe_dump(cfg))
+    plans = [f"results/{d}/hidden.work/plan.json" for d in cfg["datasets"]]
+    local = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", *plans, "--configfile", "gpu.yaml"],
+                           cwd=work, capture_output=True, text=True, timeout=600)
+    assert local.returncode == 0, local.stdout[-3000:] + local.stderr[-3000:]
+    keys = sum(len(json.loads((work / p).read_text())["shards"]) for p in plans)
     proc = subprocess.run([sys.executable, "-m", "snakemake", "-n", "all", "--workflow-profile", "profiles/slurm",
                            "--configfile", "gpu.yaml"], cwd=work, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout + proc.stderr
+    return SimpleNamespace(text=proc.stdout + proc.stderr, keys=keys, datasets=len(cfg["datasets"]))
 
 
 def _job_resources(text: str, rule: str) -> list[dict[str, str]]:
@@ -55,11 +66,13 @@ def _job_resources(text: str, rule: str) -> list[dict[str, str]]:
 
 
 def test_dag_dry_runs_with_the_slurm_profile(dry_run):
-    extract = _job_resources(dry_run, "extract")
-    assert len(extract) == len(yaml.safe_load((ROOT / "config/config.yaml").read_text())["datasets"])  # one per dataset
-    for res in extract:
+    shards = _job_resources(dry_run.text, "extract_shard")
+    assert len(shards) == dry_run.keys > dry_run.datasets  # one GPU job per token shard, several per dataset
+    for res in shards:
         assert res["gpu"] == "8" and res["slurm_partition"] == "gpu" and res["cpus_per_task"] == "32"
-    for res in _job_resources(dry_run, "tokens"):
+    gathers = _job_resources(dry_run.text, "extract")
+    assert len(gathers) == dry_run.datasets
+    for res in gathers + _job_resources(dry_run.text, "tokens"):
         assert res["slurm_partition"] == "cpu" and "gpu" not in res
 
 
@@ -69,6 +82,6 @@ def test_plugin_maps_gpu_to_gpus_flag(dry_run):
     class Resources(dict):
         __getattr__ = dict.get
 
-    res = _job_resources(dry_run, "extract")[0]
+    res = _job_resources(dry_run.text, "extract_shard")[0]
     job = SimpleNamespace(resources=Resources(gpu=int(res["gpu"])))
     assert set_gres_string(job).strip() == "--gpus=8"

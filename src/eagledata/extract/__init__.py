@@ -1,7 +1,10 @@
 """Hidden-state extraction: token shards -> EAGLE-3 training tensors (token-major safetensors).
 
-* :mod:`~eagledata.extract.core`: the job: batches, one shard, the dataset with resume (entry point
-  :func:`~eagledata.extract.core.extract_dataset`; the layer and file conventions are in its docstring);
+* :mod:`~eagledata.extract.core`: batches, one shard, the dataset in one process with resume
+  (:func:`~eagledata.extract.core.extract_dataset`; the layer and file conventions are in its docstring);
+* :mod:`~eagledata.extract.pershard`: the workflow's jobs: one shard per job into the store
+  (:func:`~eagledata.extract.pershard.extract_keyed_shard`), and the gather into ``hidden/``;
+* :mod:`~eagledata.extract.plan`: the extraction plan (stable shard key -> content-named token shard);
 * :mod:`~eagledata.extract.layers`: layer semantics ("output of decoder layer i"), defaults, checks;
 * :mod:`~eagledata.extract.storage`: token shards in, streamed safetensors shards out, manifest,
   index, resume metadata, the disk-space check;

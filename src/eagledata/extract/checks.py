@@ -3,8 +3,8 @@
 * :class:`ShardChecks` sees every sample's stored tensors (``aux`` [T, n_layers, H], ``final`` [T, H],
   in the stored dtype): any NaN/Inf fails the job with :class:`NonFiniteError` naming the shard, the
   sample and the tensor; it accumulates the per-layer RMS (float64 sums) recorded in the manifest.
-* :func:`pick_rerun_sample` chooses one sample per shard (the first of the first batch that holds
-  more than one sample, so padding and batch shape are exercised), and :func:`compare_rerun`
+* :func:`pick_rerun_sample` chooses one sample per shard (the shortest sample batched with others: the
+  most padded, so padding and batch shape are exercised, and the cheapest to re-run), and :func:`compare_rerun`
   checks that sample's result re-run alone against its batched result: fails with
   :class:`RerunMismatchError` when ``|alone - batched| > rtol * (|batched| + rms)`` anywhere
   (``rtol`` by the coarser of the stored and computed dtypes, :data:`RERUN_RTOL`); records the max
@@ -53,23 +53,38 @@ class ShardChecks:
         self.count = [0] * len(self.names)
 
     def add(self, sample_id: str, aux: "torch.Tensor", final: "torch.Tensor") -> None:
-        """Check one sample's stored tensors, then add them to the RMS sums."""
+        """Check one sample's stored tensors, then add them to the RMS sums.
+
+        One pass per tensor: the float64 sums of squares per layer are finite exactly when every value
+        is (a NaN or Inf makes its sum NaN or Inf; a finite float32/bf16/fp8 value squares to at most
+        ~1.2e77, so no finite sum of them overflows float64). Only a non-finite sum scans the values,
+        to name the first bad one."""
+        import torch
+
+        a64 = aux.to(torch.float64)
+        a_sq = (a64 * a64).sum(dim=tuple(d for d in range(a64.dim()) if d != 1)) if a64.numel() else None
+        f64 = final.to(torch.float64)
+        f_sq = float((f64 * f64).sum())
+        a_list = a_sq.tolist() if a_sq is not None else [0.0] * (len(self.names) - 1)
+        if not all(math.isfinite(v) for v in a_list + [f_sq]):
+            self._raise_non_finite(sample_id, aux, final)
+        for j, v in enumerate(a_list):
+            self.sumsq[j] += v
+            self.count[j] += aux.shape[0] * (aux.shape[2] if aux.dim() > 2 else 1)
+        self.sumsq[-1] += f_sq
+        self.count[-1] += final.numel()
+
+    def _raise_non_finite(self, sample_id: str, aux: "torch.Tensor", final: "torch.Tensor") -> None:
         import torch
 
         for name, t in (("aux_hidden_states", aux), ("hidden_state", final)):
-            t32 = t.to(torch.float32)
-            bad = ~torch.isfinite(t32)
+            bad = ~torch.isfinite(t.to(torch.float32))
             if bool(bad.any()):
                 pos = bad.nonzero()[0].tolist()
                 raise NonFiniteError(
                     f"{self.shard_name}: sample {sample_id!r}: {int(bad.sum())} NaN/Inf value(s) in {name} "
                     f"(first at token {pos[0]}{', layer ' + self.names[pos[1]] if name == 'aux_hidden_states' else ''})")
-        a32 = aux.to(torch.float32)
-        for j in range(a32.shape[1]):
-            self.sumsq[j] += float(a32[:, j].double().pow(2).sum())
-            self.count[j] += a32[:, j].numel()
-        self.sumsq[-1] += float(final.to(torch.float64).pow(2).sum())
-        self.count[-1] += final.numel()
+        raise NonFiniteError(f"{self.shard_name}: sample {sample_id!r}: non-finite sum of squares")
 
     def rms(self) -> dict[str, float | None]:
         """Per-layer RMS over every stored value of the shard (``None`` for an empty shard)."""
@@ -77,11 +92,13 @@ class ShardChecks:
 
 
 def pick_rerun_sample(batches: Sequence[Sequence[int]]) -> int | None:
-    """The sample re-run alone: the first of the first batch with more than one sample, else the
-    first sample (``None`` for an empty shard)."""
-    for batch in batches:
+    """The sample re-run alone: the last sample of the last batch with more than one sample (batches
+    run longest first, so that is the shortest sample batched with others: the most padded, so padding
+    and batch shape are exercised, and the cheapest to re-run), else the first sample (``None`` for an
+    empty shard)."""
+    for batch in reversed(batches):
         if len(batch) > 1:
-            return batch[0]
+            return batch[-1]
     return batches[0][0] if batches and batches[0] else None
 
 

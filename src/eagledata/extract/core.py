@@ -136,8 +136,10 @@ def limit_key(max_seq_len: int | None, on_long: str) -> str:
 
 def shard_metadata(shard: TokenShard, src: Path, backend: ExtractionBackend, *, dtype: str,
                    compute_dtype: str, model_path: str, model_fp: str, tokenizer_fingerprint: str,
-                   source_sha256: str, length_limit: str = limit_key(None, "truncate")) -> dict[str, str]:
-    """The string metadata written into an output shard's header (see the module docstring)."""
+                   source_sha256: str, length_limit: str = limit_key(None, "truncate"),
+                   code_fingerprint: str = "") -> dict[str, str]:
+    """The string metadata written into an output shard's header (see the module docstring);
+    ``code_fingerprint`` identifies the extraction code that wrote it (a resume key)."""
     layers = backend.layers
     return {
         "format": FORMAT,
@@ -161,6 +163,7 @@ def shard_metadata(shard: TokenShard, src: Path, backend: ExtractionBackend, *, 
         "hidden_size": str(backend.hidden_size),
         "num_layers": str(backend.num_layers),
         "length_limit": length_limit,
+        "code_fingerprint": code_fingerprint,
         **({"fp8_format": FP8_FORMAT, "fp8_scales": json.dumps(SCALES)} if is_fp8(dtype) else {}),
     }
 
@@ -245,6 +248,7 @@ def extract_shard(
     reserve_disk_bytes: int = 0,
     max_seq_len: int | None = None,
     on_long: str = "truncate",
+    code_fingerprint: str = "",
 ) -> dict[str, Any]:
     """Extract one token shard ``src`` into the safetensors file ``dst`` (format in the module
     docstring), written to ``dst.tmp-PID`` and published with ``os.replace``.
@@ -266,7 +270,8 @@ def extract_shard(
     n, s, h, nl = int(shard.offsets[-1]), len(shard.ids), backend.hidden_size, len(backend.layers)
     meta = shard_metadata(shard, src, backend, dtype=dtype, compute_dtype=compute_dtype,
                           model_path=model_path, model_fp=model_fp, tokenizer_fingerprint=tokenizer_fingerprint,
-                          source_sha256=source_sha256, length_limit=limit_key(max_seq_len, on_long))
+                          source_sha256=source_sha256, length_limit=limit_key(max_seq_len, on_long),
+                          code_fingerprint=code_fingerprint)
     dst.parent.mkdir(parents=True, exist_ok=True)
     # header is < 100 bytes per sample (ids) + a few KB: count it generously
     need = estimate_shard_bytes(n, s, nl, h, dtype, header_bytes=len(meta["sample_ids"]) + 16384)
@@ -356,12 +361,14 @@ class DatasetRun:
     tokenizer_fp: str
     max_seq_len: int | None = None
     on_long: str = "truncate"
+    code_fp: str = ""
 
     def resume_keys(self, source_sha256: str) -> dict[str, str]:
         """The metadata an existing output shard must carry to be kept (:data:`RESUME_KEYS`)."""
         values = {"format": FORMAT, "layers": json.dumps(self.layers),
                   "dtype": self.dtype, "compute_dtype": self.compute_dtype, "model_fingerprint": self.model_fp,
-                  "source_sha256": source_sha256, "length_limit": limit_key(self.max_seq_len, self.on_long)}
+                  "source_sha256": source_sha256, "length_limit": limit_key(self.max_seq_len, self.on_long),
+                  "code_fingerprint": self.code_fp}
         return {k: values[k] for k in RESUME_KEYS}
 
     def manifest(self, shards_out: list[dict[str, Any]], complete: bool, norm_eps: float | None = None,
@@ -401,6 +408,31 @@ class DatasetRun:
                     "hidden_state_scale": "[N] float32, per token"} if is_fp8(dtype) else {}),
             },
         }
+
+
+def resolve_run(tokens_dir: str | Path, target: str | Path, weights: str | Path, tokens_manifest: dict[str, Any],
+                layers: Sequence[int] | None, dtype: str, compute_dtype: str, backend: str, batch_tokens: int, *,
+                final_norm: Any = None, max_seq_len: int | None = None, on_long: str = "truncate",
+                code_fingerprint: str = "") -> DatasetRun:
+    """The settings checked (:func:`check_settings`, the length limit, the removed ``final_norm``) and
+    resolved against the model's config (layers, sizes, fingerprint): one :class:`DatasetRun`."""
+    refuse_final_norm_setting(final_norm)
+    check_settings(backend, dtype, compute_dtype, batch_tokens)
+    check_limit(max_seq_len, on_long)
+    cfg = text_config(weights)
+    num_layers = int(cfg.num_hidden_layers)
+    return DatasetRun(Path(tokens_dir), Path(target), weights, tokens_manifest, resolve_layers(layers, num_layers),
+                      dtype, compute_dtype, backend, num_layers, int(cfg.hidden_size), model_fingerprint(weights),
+                      str(tokens_manifest.get("tokenizer_fingerprint", "")), max_seq_len, on_long, code_fingerprint)
+
+
+def code_fingerprint(files: Iterable[str | Path]) -> str:
+    """Identity of the extraction code: sha256 over the sorted (file name, content sha256) of ``files``
+    (the rule's code inputs), so an edit re-extracts while a moved work directory does not."""
+    import hashlib
+
+    parts = sorted(f"{Path(f).name}:{sha256_file(f)}" for f in files)
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
 class LazyBackend:
@@ -463,6 +495,7 @@ def _one_shard(run: DatasetRun, entry: dict[str, Any], runner: LazyBackend, batc
         batch_tokens=batch_tokens, source_sha256=entry["sha256"], tokenizer_fingerprint=run.tokenizer_fp,
         model_path=str(run.weights), model_fp=run.model_fp, compute_dtype=run.compute_dtype,
         reserve_disk_bytes=reserve_disk_bytes, max_seq_len=run.max_seq_len, on_long=run.on_long,
+        code_fingerprint=run.code_fp,
     )
 
 
@@ -481,13 +514,13 @@ def warn_long_samples(manifest: dict[str, Any]) -> None:
                         n, manifest["samples"], option[name], TRAINER_MAX_LEN[name])
 
 
-def _with_file_facts(stats: dict[str, Any], dst: Path, previous: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def with_file_facts(stats: dict[str, Any], dst: Path, previous: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """``stats`` with the written shard's ``bytes``, ``mtime_ns`` and ``sha256``."""
     st = dst.stat()
     return {**stats, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": shard_sha256(dst, previous)}
 
 
-def _norm_facts(shard: Path, seen: dict[str, Any]) -> dict[str, Any]:
+def norm_facts(shard: Path, seen: dict[str, Any]) -> dict[str, Any]:
     """``{"norm_eps", "vocab_size"}`` from a written shard's metadata; raise when they differ from
     those of the shards before it (one model per dataset)."""
     meta = read_shard_metadata(shard) or {}
@@ -523,6 +556,7 @@ def extract_dataset(
     final_norm: Any = None,
     max_seq_len: int | None = None,
     on_long: str = "truncate",
+    code_fingerprint: str = "",
 ) -> dict[str, Any]:
     """Extract every shard of ``tokens_dir/manifest.json`` into ``out_dir``; write
     ``index.parquet`` and ``manifest.json`` there. Returns the manifest.
@@ -543,18 +577,13 @@ def extract_dataset(
       final state is always stored before the norm, with the norm's weight and eps).
     * ``max_seq_len`` / ``on_long``: the dataset's length limit (:mod:`eagledata.extract.limits`).
     """
-    refuse_final_norm_setting(final_norm)
-    check_settings(backend, dtype, compute_dtype, batch_tokens)
-    check_limit(max_seq_len, on_long)
     tokens_dir, out_dir = Path(tokens_dir), Path(out_dir)
     target = Path(work_dir) if work_dir is not None else out_dir
-    target.mkdir(parents=True, exist_ok=True)
     tmanifest = read_tokens_manifest(tokens_dir, verify=True)
-    cfg = text_config(weights)
-    num_layers = int(cfg.num_hidden_layers)
-    run = DatasetRun(tokens_dir, target, weights, tmanifest, resolve_layers(layers, num_layers), dtype,
-                     compute_dtype, backend, num_layers, int(cfg.hidden_size), model_fingerprint(weights),
-                     str(tmanifest.get("tokenizer_fingerprint", "")), max_seq_len, on_long)
+    run = resolve_run(tokens_dir, target, weights, tmanifest, layers, dtype, compute_dtype, backend, batch_tokens,
+                      final_norm=final_norm, max_seq_len=max_seq_len, on_long=on_long,
+                      code_fingerprint=code_fingerprint)
+    target.mkdir(parents=True, exist_ok=True)
     log.info("extracting %s -> %s: backend %s, layers %s (final state before the norm), dtype %s, model %s",
              tokens_dir, out_dir, backend, run.layers, dtype, weights)
     previous = _clear_leftovers(target)
@@ -566,8 +595,8 @@ def extract_dataset(
         for entry in tmanifest.get("shards", []):
             stats = _one_shard(run, entry, runner, batch_tokens, reserve_disk_bytes, previous)
             dst = target / stats["file"]
-            shards_out.append(_with_file_facts(stats, dst, previous))
-            norm = _norm_facts(dst, norm)
+            shards_out.append(with_file_facts(stats, dst, previous))
+            norm = norm_facts(dst, norm)
             write_manifest(target / "manifest.json", run.manifest(shards_out, False, **norm))
     finally:
         runner.close()

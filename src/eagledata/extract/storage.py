@@ -204,7 +204,8 @@ def read_shard_metadata(path: str | Path) -> dict[str, str] | None:
 
 
 #: Metadata keys that must match for an existing output shard to be reused.
-RESUME_KEYS = ("format", "source_sha256", "layers", "dtype", "compute_dtype", "model_fingerprint", "length_limit")
+RESUME_KEYS = ("format", "source_sha256", "layers", "dtype", "compute_dtype", "model_fingerprint", "length_limit",
+               "code_fingerprint")
 
 
 def shard_specs(n_tokens: int, n_samples: int, n_layers: int, hidden: int, dtype: str) -> list[tuple[str, str, tuple[int, ...]]]:

@@ -1,0 +1,15 @@
+"""Snakemake entry for checkpoint `extract_plan` (plumbing only; logic in eagledata.extract.plan): the
+stable shard keys of the finished tokens stage and their content-named token shards."""
+import logging
+import sys
+
+from eagledata.extract.plan import write_plan
+
+sm = snakemake  # noqa: F821 - injected by Snakemake
+logging.basicConfig(filename=sm.log[0], level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+try:
+    plan = write_plan(sm.input.tokens, sm.output.plan)
+    logging.info("%s: %d shards to extract (one job each)", plan["dataset"], len(plan["shards"]))
+except Exception:
+    logging.exception("extract_plan failed")
+    sys.exit(1)

@@ -1,0 +1,166 @@
+"""Extraction as one job per token shard (rules/extract.smk, eagledata.extract.pershard), in real
+snakemake runs of the demo (stand-in responses, the tiny random DeepSeek-V3 on CPU):
+
+* one new prompt at the top, in the middle or at the end re-extracts only the shard holding it: every
+  other hidden shard keeps its sha256 and mtime, and the dry run plans one extract_shard job;
+* with 8 simulated GPUs and 16 shards at one GPU per job, 8 extract jobs hold a device at once and
+  no device is ever held by two jobs (--resources gpu=8);
+* a failed shard job is the only one redone.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eagledata.io import sha256_file
+from eagledata.extract.storage import read_shard_metadata
+from eagledata.tokens.shards import is_boundary_id
+from test_workflow import _copy_repo, planned_jobs, snakemake
+
+pytestmark = pytest.mark.workflow
+
+ROOT = Path(__file__).resolve().parents[1]
+HIDDEN = "results/ds/hidden"
+PLAN = "results/ds/hidden.work/plan.json"
+
+
+def _configure(work: Path, prompts: Path, shard_size: int, **extraction) -> None:
+    config = yaml.safe_load((work / "config/config.yaml").read_text())
+    config["datasets"] = {"ds": {"prompts": str(prompts), "model": "demo", "backend": "simulator"}}
+    config["tokens"] = {**(config.get("tokens") or {}), "shard_size": shard_size}
+    config["extraction"] = {**config["extraction"], **extraction}
+    config["export"] = {**(config.get("export") or {}), "specforge": False, "speculators": False}
+    (work / "config/config.yaml").write_text(yaml.safe_dump(config))
+
+
+def _store(work: Path) -> dict[str, tuple[str, int]]:
+    """Hidden shard file -> (sha256, mtime_ns), as in the store."""
+    return {p.name: (sha256_file(p), p.stat().st_mtime_ns)
+            for p in (work / "results/ds/hidden.store").glob("*.safetensors") if p.is_file()}
+
+
+def _ids(work: Path, name: str) -> set[str]:
+    return set(json.loads(read_shard_metadata(work / "results/ds/hidden.store" / name)["sample_ids"]))
+
+
+def _records(work: Path) -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in (work / "results/ds/hidden.work/shards").glob("*.json")}
+
+
+def _plan_keys(work: Path) -> list[str]:
+    return [s["key"] for s in json.loads((work / PLAN).read_text())["shards"]]
+
+
+def _prompt(pid: str) -> str:
+    return json.dumps({"id": pid, "messages": [{"role": "user", "content": f"Explain {pid} in one sentence."}]}) + "\n"
+
+
+def _not_boundary(prefix: str, shard_size: int) -> str:
+    return next(f"{prefix}{k}" for k in range(100) if not is_boundary_id(f"{prefix}{k}", shard_size))
+
+
+def test_one_new_prompt_reextracts_only_the_shard_holding_it(tmp_path):
+    work = _copy_repo(tmp_path / "w")
+    prompts = work / "data" / "chat.jsonl"
+    prompts.parent.mkdir()
+    shutil.copy(ROOT / "config/demo/chat.jsonl", prompts)
+    _configure(work, prompts, shard_size=4)
+    snakemake(work, HIDDEN)
+    assert len(_plan_keys(work)) >= 4
+    new_ids = {"top": _not_boundary("chat-000-", 4), "middle": _not_boundary("chat-012-", 4),
+               "end": _not_boundary("chat-999-", 4)}
+    for where, new_id in new_ids.items():
+        before, records_before = _store(work), _records(work)
+        ids_before = {n: _ids(work, n) for n in before}
+        lines = prompts.read_text().splitlines(keepends=True)
+        at = {"top": 0, "middle": len(lines) // 2, "end": len(lines)}[where]
+        prompts.write_text("".join(lines[:at] + [_prompt(new_id)] + lines[at:]))
+        snakemake(work, PLAN)  # generation (one request), tokens, validation, the plan
+        assert planned_jobs(work, HIDDEN) == {"extract_shard": 1, "extract": 1}, where
+        snakemake(work, HIDDEN)
+        after = _store(work)
+        new = [n for n in after if after[n] != before.get(n)]
+        assert len(new) == 1, (where, new)
+        new_ids_in_shard = _ids(work, new[0])
+        assert new_id in new_ids_in_shard
+        kept = [n for n in before if n in after]
+        assert all(after[n] == before[n] for n in kept)  # same bytes (sha256) and the same mtime
+        replaced = set(before) - set(after)  # at most the shard that gained the prompt (none if it starts one)
+        assert len(replaced) <= 1 and all(ids_before[n] < new_ids_in_shard for n in replaced), (where, replaced)
+        records = _records(work)
+        rerun = [k for k in records if records[k].get("job") != (records_before.get(k) or {}).get("job")]
+        assert len(rerun) == 1 and records[rerun[0]]["file"] == new[0] and not records[rerun[0]]["resumed"]
+        manifest = json.loads((work / HIDDEN / "manifest.json").read_text())
+        assert sorted(s["file"] for s in manifest["shards"]) == sorted(after)
+        assert all(os.path.samefile(work / HIDDEN / n, work / "results/ds/hidden.store" / n) for n in after)
+    assert manifest["samples"] == 24 + 3
+    assert planned_jobs(work, HIDDEN) == {}
+
+
+@pytest.fixture(scope="module")
+def sixteen_shards(tmp_path_factory):
+    """The demo's 16 tool prompts at shard_size 1 (16 shards), one GPU per extract job, run up to the
+    extraction plan, and the demo model built."""
+    work = _copy_repo(tmp_path_factory.mktemp("gpu") / "w")
+    _configure(work, work / "config/demo/tools.jsonl", shard_size=1, device="auto", gpus_per_job=1)
+    snakemake(work, PLAN, "results/_assets/demo-model")
+    assert len(_plan_keys(work)) == 16
+    return work
+
+
+def _copy(work: Path, dest: Path) -> Path:
+    shutil.copytree(work, dest, symlinks=True)  # copy2: mtimes kept, so nothing is out of date
+    return dest
+
+
+def _gpu_env(tmp_path: Path) -> dict[str, str]:
+    return {"EAGLEDATA_NUM_GPUS": "8", "EAGLEDATA_GPU_LOCK_DIR": str(tmp_path / "locks")}
+
+
+def test_eight_shard_jobs_hold_the_eight_simulated_gpus_at_once(sixteen_shards, tmp_path):
+    work = _copy(sixteen_shards, tmp_path / "w")
+    env = _gpu_env(tmp_path)
+    assert planned_jobs(work, HIDDEN, env=env) == {"extract_shard": 16, "extract": 1}
+    # --cores 32 would allow 16 jobs of 2 threads: the gpu resource is what holds it to 8
+    snakemake(work, HIDDEN, "--cores", "32", "--resources", "gpu=8", env=env)
+    jobs = [r["job"] for r in _records(work).values()]
+    assert len(jobs) == 16 and all(len(j["gpus"]) == 1 for j in jobs)
+    assert sorted({g for j in jobs for g in j["gpus"]}) == [str(i) for i in range(8)]
+    for i, a in enumerate(jobs):  # a device is held by one job at a time
+        for b in jobs[i + 1:]:
+            if a["gpus"] == b["gpus"]:
+                assert a["finished"] <= b["claimed"] or b["finished"] <= a["claimed"], (a, b)
+    held = [sum(1 for o in jobs if o["claimed"] <= j["claimed"] < o["finished"]) for j in jobs]
+    assert max(held) == 8  # 8 jobs at once, never more
+    manifest = json.loads((work / HIDDEN / "manifest.json").read_text())
+    assert manifest["samples"] == 16 and len(manifest["shards"]) == 16
+
+
+def test_a_failed_shard_job_is_the_only_one_redone(sixteen_shards, tmp_path):
+    work = _copy(sixteen_shards, tmp_path / "w")
+    env = _gpu_env(tmp_path)
+    plan = json.loads((work / PLAN).read_text())
+    victim = plan["shards"][5]
+    blocker = work / "results/ds/hidden.store" / Path(victim["file"]).with_suffix(".safetensors").name
+    blocker.mkdir(parents=True)  # publishing the shard onto it fails
+    proc = snakemake(work, HIDDEN, "--keep-going", env=env, check=False)
+    assert proc.returncode != 0
+    assert "IsADirectoryError" in (work / f"logs/ds/extract_shard/{victim['key']}.log").read_text()
+    records = _records(work)
+    assert sorted(records) == sorted(s["key"] for s in plan["shards"] if s is not victim)
+    before = _store(work)
+    assert len(before) == 15
+    blocker.rmdir()
+    assert planned_jobs(work, HIDDEN, env=env) == {"extract_shard": 1, "extract": 1}
+    snakemake(work, HIDDEN, env=env)
+    after = _store(work)
+    assert {n: after[n] for n in before} == before  # the 15 finished shards untouched
+    assert set(after) - set(before) == {blocker.name}
+    again = _records(work)
+    assert all(again[k] == records[k] for k in records)
+    assert planned_jobs(work, HIDDEN, env=env) == {}
