@@ -130,17 +130,19 @@ def iter_slice(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
 def reconstruct_shard(slice_path: str | Path, part_path: str | Path, summary_path: str | Path,
                       tokenizer: Tokenizer, family: ModelFamily, template: str | None = None) -> dict[str, Any]:
     """One shard's samples -> its part and summary; returns the summary."""
-    rows, stats = [], []
+    columns: dict[str, list] = {name: [] for name in PART_SCHEMA}  # built column-wise: one Series each
+    stats = []
     for sid, rec in iter_slice(slice_path):
         st, row = reconstruct_sample(rec, sid, tokenizer, family, template)
         row.update(has_eot=st.has_eot, codes=st.codes, has_tools=st.has_tools,
                    prompt_alt=json.dumps(st.prompt_alt) if st.prompt_alt is not None else None)
-        rows.append(row)
+        for name, values in columns.items():
+            values.append(row[name])
         stats.append(st)
     summary = summaries.summarize(stats)
     Path(part_path).parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(part_path) as tmp:
-        pl.DataFrame(rows, schema=PART_SCHEMA).write_parquet(tmp, compression="zstd")
+        pl.DataFrame(columns, schema=PART_SCHEMA).write_parquet(tmp, compression="zstd")
     Path(summary_path).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(summary_path, summary)
     return summary
