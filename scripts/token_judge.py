@@ -3,7 +3,7 @@ import logging
 import sys
 
 from eagledata.config import dataset_settings, load_model_tokenizer
-from eagledata.tokens.pershard import judge_shard
+from eagledata.tokens.pershard import judge_shard, peak_memory_mb
 from eagledata.tokens.policy import validation_setting
 
 sm = snakemake  # noqa: F821 - injected by Snakemake
@@ -15,6 +15,7 @@ try:
                         policy=validation_setting(sm.config, ds.name, "policy"))
     logging.info("%s shard %s: %d rows -> %s (%s)", ds.name, sm.wildcards.shard, entry["rows"], entry["file"],
                  "unchanged, left untouched" if entry["kept"] else "written")
+    logging.info("peak memory %.0f MB", peak_memory_mb())
 except Exception:
     logging.exception("token_judge failed")
     sys.exit(1)

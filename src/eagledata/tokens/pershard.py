@@ -36,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import resource
 from array import array
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
@@ -60,6 +61,20 @@ SHARDING_RULE = "ids sorted; a shard starts at each id with int(sha256(id), 16) 
 _STATS_SCHEMA: Mapping[str, Any] = {"has_eot": pl.Boolean, "codes": pl.List(pl.Utf8), "has_tools": pl.Boolean,
                                     "prompt_alt": pl.Utf8}
 PART_SCHEMA: Mapping[str, Any] = {**PASS1_SCHEMA, **_STATS_SCHEMA}
+
+
+def peak_memory_mb() -> float:
+    """This process's peak resident memory so far (MB): each job logs it, so a job's peak can be
+    compared across dataset sizes (benchmarks/tokens_scale.py). Linux's ``VmHWM``: ``ru_maxrss``
+    keeps the peak from before ``exec``, i.e. that of the Snakemake process the job was forked from."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def shard_key(first_id: str) -> str:
@@ -314,5 +329,5 @@ def gather_manifest(plan_path: str | Path, judged_paths: Sequence[str | Path], c
     return manifest
 
 
-__all__ = ["PART_SCHEMA", "gather_manifest", "id_index", "iter_slice", "judge_shard", "learn_repairs", "learn_summaries",
+__all__ = ["PART_SCHEMA", "gather_manifest", "id_index", "iter_slice", "peak_memory_mb", "judge_shard", "learn_repairs", "learn_summaries",
            "part_stats", "plan_keys", "plan_shards", "read_plan", "reconstruct_shard", "shard_key", "work_paths"]
