@@ -1,10 +1,15 @@
 # Stamps (eagledata.codeinputs.write_stamp): one small file per stage script (code_of in common.smk)
-# and, for the per-shard rules, per dataset and script (stage_stamp), which the rules declare instead of the files they hash. A stamp job reruns
-# only on a content change of a file it hashes (Snakemake compares recorded checksums of a newer
-# input), and then every job declaring the stamp reruns.
+# and, for the per-shard token jobs, one per dataset (stage_stamp: code and tokenizer files), which the
+# rules declare instead of the files they hash. A stamp job reruns only on a content change of a file
+# it hashes (Snakemake compares the recorded checksums of a newer input), and then every job declaring
+# the stamp reruns. Local: a cluster job for a hash of a few files would cost more than the hash.
 
 
-# The stamps (eagledata.codeinputs.write_stamp): rerun on a content change of a file they hash.
+localrules:
+    code_stamp,
+    stage_stamp,
+
+
 rule code_stamp:
     """The sha256 of every file a stage script imports (code_of)."""
     input:
