@@ -152,7 +152,7 @@ def shard_job_seconds(repo: Path, name: str) -> float:
     return total
 
 
-def pipeline(sizes: list[int], work: Path, shard_size: int = 1000) -> int:
+def pipeline(sizes: list[int], work: Path, shard_size: int = 1000, two_cores: bool = True) -> int:
     rows, ratios, speedups = [], [], []
     for n in sizes:
         path = build_dataset(n, work)
@@ -160,7 +160,7 @@ def pipeline(sizes: list[int], work: Path, shard_size: int = 1000) -> int:
         raw = run(RAW, str(path), str(TOKENIZER), str(min(n, 5000)))
         raw_rate = raw["tokens"] / raw["wall"]
         walls = {}
-        for cores in (1, 2):
+        for cores in (1, 2) if two_cores else (1,):
             repo = repo_copy(work / f"repo-{n}", {name: path}, shard_size)
             smk(repo, "--cores", "1", f"results/{name}/responses.jsonl")  # the import is not the tokens stage
             walls[cores] = smk(repo, "--cores", str(cores), f"results/{name}/tokens")
@@ -169,12 +169,14 @@ def pipeline(sizes: list[int], work: Path, shard_size: int = 1000) -> int:
         rss = peak_rss(repo, name)
         dry = smk(repo, "-n", name)
         rate = tokens["tokens"] / walls[1]
-        shard_rate = tokens["tokens"] / shard_job_seconds(repo, name)  # the 2-core run's jobs
+        shard_rate = tokens["tokens"] / shard_job_seconds(repo, name)  # the last run's jobs
         rows.append((n, rss))
         ratios.append(rate / raw_rate)
-        speedups.append((n, walls[1] / walls[2]))
+        two = f"{walls[2]:.1f}s on 2 cores (speed-up {walls[1] / walls[2]:.2f}x)" if two_cores else "2 cores not run"
+        if two_cores:
+            speedups.append((n, walls[1] / walls[2]))
         print(f"{n:>7} records, {len(manifest['shards'])} shards: tokens stage {walls[1]:.1f}s on 1 core, "
-              f"{walls[2]:.1f}s on 2 cores (speed-up {walls[1] / walls[2]:.2f}x); {rate / 1e6:.2f}M tokens/s per core "
+              f"{two}; {rate / 1e6:.2f}M tokens/s per core "
               f"= {rate / raw_rate:.2f}x raw tiktoken ({raw_rate / 1e6:.2f}M/s; token_shard jobs alone "
               f"{shard_rate / raw_rate:.2f}x); peak memory per job (MB): "
               + ", ".join(f"{k} {v:.0f}" for k, v in sorted(rss.items())) + f"; dry run {dry:.1f}s", flush=True)
@@ -258,6 +260,7 @@ def main() -> int:
     ap.add_argument("--work", help="directory for the synthetic datasets (default: a temp dir)")
     ap.add_argument("--pipeline", action="store_true", help="the workflow's per-shard jobs, 1 vs 2 cores")
     ap.add_argument("--shard-size", type=int, default=1000, help="tokens.shard_size of --pipeline (config default 1000)")
+    ap.add_argument("--one-core", action="store_true", help="--pipeline at 1 core only (no speed-up)")
     ap.add_argument("--dry-shards", type=int, help="time the dry run of a dataset of this many shards")
     args = ap.parse_args()
     if not RECORDED.exists() or not TOKENIZER.exists():
@@ -269,7 +272,7 @@ def main() -> int:
     if args.dry_shards:
         return dry_run_at(args.dry_shards, work)
     if args.pipeline:
-        return pipeline(sizes, work, args.shard_size)
+        return pipeline(sizes, work, args.shard_size, not args.one_core)
     rows = []
     for n in sizes:
         t0 = time.perf_counter()
