@@ -21,6 +21,7 @@ validate(config, "config/schema.yaml")
 
 
 include: "rules/common.smk"
+include: "rules/stamps.smk"
 include: "rules/demo.smk"
 include: "rules/generate.smk"
 include: "rules/tokens.smk"

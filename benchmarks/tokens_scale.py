@@ -11,13 +11,14 @@ Snakemake job runs it) and prints per size:
 With --pipeline, the same datasets go through the workflow's per-shard tokens jobs (rules/tokens.smk)
 in a copy of the repository, imported as datasets: `snakemake --cores 1` then, from scratch,
 `--cores 2`, printing per size the wall time of each, the speed-up, tokens/s per core against raw
-tiktoken, and peak memory per job (max_rss of the benchmark: files of token_plan, token_shard,
-token_repairs); then `snakemake -n` when up to date and after one new response. --dry-shards N
-builds a dataset of N shards (shard_size 10), runs the plan, marks every job done (--touch over
-placeholder outputs: the DAG does not depend on what a shard holds) and times `snakemake -n` and
-`eagledata plan` on it.
+tiktoken (and of the token_shard jobs alone), and peak memory per job of every rule (the peak each job
+logs); then `snakemake -n` when up to date. --dry-shards N
+builds a dataset of N shards (shard_size 10), runs the plan and the code stamps, marks every other
+job done (placeholder outputs in dependency order: the DAG does not depend on what a shard holds) and
+times `snakemake -n` and `eagledata plan` on it.
 
-Usage: python benchmarks/tokens_scale.py [--sizes 10000,40000,80000] [--work DIR] [--pipeline] [--dry-shards 2000]
+Usage: python benchmarks/tokens_scale.py [--sizes 10000,40000,80000] [--work DIR] [--pipeline [--shard-size 1000]]
+       [--dry-shards 2000]
 Needs ../shared (the recorded traffic and the Kimi K2 tokenizer).
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ import argparse
 import csv
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -131,27 +133,35 @@ def smk(repo: Path, *args: str) -> float:
 
 
 def peak_rss(repo: Path, name: str) -> dict[str, float]:
-    """Per rule: the largest max_rss (MB) over its jobs' benchmark files."""
+    """Per rule: the largest peak memory (MB) its jobs logged ("peak memory N MB", ru_maxrss of the job's
+    process; Snakemake's benchmark: sampling misses short jobs)."""
     out: dict[str, float] = {}
-    for path in (repo / "benchmarks/out" / name).rglob("*.tsv"):
+    for path in (repo / "logs" / name).rglob("*.log"):
         rule = path.parent.name if path.parent.name != name else path.stem
-        with open(path) as fh:
-            for row in csv.DictReader(fh, delimiter="\t"):
-                if row.get("max_rss") not in (None, "", "NA"):
-                    out[rule] = max(out.get(rule, 0.0), float(row["max_rss"]))
+        for m in re.finditer(r"peak memory (\d+) MB", path.read_text(errors="replace")):
+            out[rule] = max(out.get(rule, 0.0), float(m.group(1)))
     return out
 
 
-def pipeline(sizes: list[int], work: Path) -> int:
-    rows = []
+def shard_job_seconds(repo: Path, name: str) -> float:
+    """Wall seconds of every token_shard job together (their benchmark: files), process start included."""
+    total = 0.0
+    for path in (repo / "benchmarks/out" / name / "token_shard").glob("*.tsv"):
+        with open(path) as fh:
+            total += sum(float(row["s"]) for row in csv.DictReader(fh, delimiter="\t"))
+    return total
+
+
+def pipeline(sizes: list[int], work: Path, shard_size: int = 1000, two_cores: bool = True) -> int:
+    rows, ratios, speedups = [], [], []
     for n in sizes:
         path = build_dataset(n, work)
         name = f"scale{n}"
         raw = run(RAW, str(path), str(TOKENIZER), str(min(n, 5000)))
         raw_rate = raw["tokens"] / raw["wall"]
         walls = {}
-        for cores in (1, 2):
-            repo = repo_copy(work / f"repo-{n}", {name: path}, 1000)
+        for cores in (1, 2) if two_cores else (1,):
+            repo = repo_copy(work / f"repo-{n}", {name: path}, shard_size)
             smk(repo, "--cores", "1", f"results/{name}/responses.jsonl")  # the import is not the tokens stage
             walls[cores] = smk(repo, "--cores", str(cores), f"results/{name}/tokens")
         manifest = json.loads((repo / f"results/{name}/tokens/manifest.json").read_text())
@@ -159,14 +169,28 @@ def pipeline(sizes: list[int], work: Path) -> int:
         rss = peak_rss(repo, name)
         dry = smk(repo, "-n", name)
         rate = tokens["tokens"] / walls[1]
+        shard_rate = tokens["tokens"] / shard_job_seconds(repo, name)  # the last run's jobs
         rows.append((n, rss))
+        ratios.append(rate / raw_rate)
+        two = f"{walls[2]:.1f}s on 2 cores (speed-up {walls[1] / walls[2]:.2f}x)" if two_cores else "2 cores not run"
+        if two_cores:
+            speedups.append((n, walls[1] / walls[2]))
         print(f"{n:>7} records, {len(manifest['shards'])} shards: tokens stage {walls[1]:.1f}s on 1 core, "
-              f"{walls[2]:.1f}s on 2 cores (speed-up {walls[1] / walls[2]:.2f}x); {rate / 1e6:.2f}M tokens/s per core "
-              f"= {rate / raw_rate:.2f}x raw tiktoken ({raw_rate / 1e6:.2f}M/s); peak memory per job (MB): "
+              f"{two}; {rate / 1e6:.2f}M tokens/s per core "
+              f"= {rate / raw_rate:.2f}x raw tiktoken ({raw_rate / 1e6:.2f}M/s; token_shard jobs alone "
+              f"{shard_rate / raw_rate:.2f}x); peak memory per job (MB): "
               + ", ".join(f"{k} {v:.0f}" for k, v in sorted(rss.items())) + f"; dry run {dry:.1f}s", flush=True)
-    base = rows[0][1].get("token_shard", 0) or 1
-    growth = ", ".join(f"{n}: {r.get('token_shard', 0) / base:.2f}x" for n, r in rows)
-    print(f"RESULT token_shard peak memory relative to {sizes[0]} records: {growth}")
+    for rule in sorted(rows[0][1]):
+        base = rows[0][1][rule] or 1
+        growth = [r.get(rule, 0) / base for _, r in rows]
+        flat = all(abs(g - 1) <= 0.10 for g in growth)
+        print(f"RESULT {rule} peak memory relative to {sizes[0]} records: "
+              + ", ".join(f"{n}: {g:.2f}x" for (n, _), g in zip(rows, growth))
+              + f" ({'flat within 10%' if flat else 'NOT flat within 10%'})")
+    worst = min(r for r in ratios)
+    print(f"RESULT tokens stage per core / raw tiktoken: worst {worst:.2f}x (target >= 0.3x): "
+          f"{'OK' if worst >= 0.3 else 'BELOW TARGET'}; 1->2 core speed-ups: "
+          + ", ".join(f"{n}: {x:.2f}x" for n, x in speedups) + " (noisy on a shared machine)")
     return 0
 
 
@@ -186,19 +210,25 @@ def dry_run_at(n_shards: int, work: Path) -> int:
     repo = repo_copy(work / "repo-dry", {name: path}, 10)
     smk(repo, "--cores", "2", f"results/{name}/tokens.work/plan.json")
     plan = json.loads((repo / f"results/{name}/tokens.work/plan.json").read_text())
+    stamps = sorted(str(p.relative_to(repo)) for p in _planned_outputs(repo, name) if "/_code/" in str(p))
+    smk(repo, "--cores", "1", *stamps)  # the real stamps; every other job is marked done below
     w = repo / f"results/{name}/tokens.work"
-    for d in ("parts", "judged"):
-        (w / d).mkdir(exist_ok=True)
-    for s in plan["shards"]:
-        for f in (w / "parts" / f"{s['key']}.parquet", w / "parts" / f"{s['key']}.summary.json",
-                  w / "judged" / f"{s['key']}.json"):
-            f.touch()
-    for f in ("learned.json", "conventions.json"):
-        (w / f).touch()
-    (repo / f"results/{name}/tokens").mkdir(exist_ok=True)
-    for f in ("validation.json", "validation.txt"):
-        (repo / f"results/{name}" / f).touch()
-    smk(repo, "--cores", "1", "--touch", name)
+    keys = [s["key"] for s in plan["shards"]]
+    # placeholder outputs, each step's files newer than its inputs (the DAG does not depend on what a
+    # shard holds; Snakemake's --touch over 4,000 jobs takes minutes)
+    steps = [[w / "parts" / f"{k}.parquet" for k in keys] + [w / "parts" / f"{k}.summary.json" for k in keys],
+             [w / "learned.json"], [w / "conventions.json"], [w / "judged" / f"{k}.json" for k in keys],
+             [repo / f"results/{name}/tokens"],
+             [repo / f"results/{name}" / f for f in ("validation.json", "validation.txt")]]
+    stamp = time.time()
+    for i, files in enumerate(steps):
+        for f in files:
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.mkdir(exist_ok=True) if f.name == "tokens" else f.touch()
+            os.utime(f, (stamp + i + 1, stamp + i + 1))
+    left = _planned_outputs(repo, name)
+    if left:
+        raise SystemExit(f"not up to date after marking every job done: {sorted(map(str, left))[:5]}")
     t_dry = min(smk(repo, "-n", name) for _ in range(3))
     t_dry_q = min(smk(repo, "-n", name, "--quiet", "all") for _ in range(2))
     env = {**os.environ, "PYTHONPATH": str(repo / "src")}
@@ -211,11 +241,26 @@ def dry_run_at(n_shards: int, work: Path) -> int:
     return 0
 
 
+def _planned_outputs(repo: Path, target: str) -> list[Path]:
+    """Output files a dry run of ``target`` would (re)build (`snakemake -n --summary`-free: parsed from
+    the dry run's `output:` lines)."""
+    env = {**os.environ, "PYTHONPATH": str(repo / "src")}
+    out = subprocess.run([sys.executable, "-m", "snakemake", "-n", target], cwd=repo, capture_output=True, text=True,
+                         env=env)
+    files = []
+    for line in out.stdout.splitlines():
+        if line.strip().startswith("output:"):
+            files += [repo / f.strip() for f in line.split(":", 1)[1].split(",")]
+    return files
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="10000,40000,80000")
     ap.add_argument("--work", help="directory for the synthetic datasets (default: a temp dir)")
     ap.add_argument("--pipeline", action="store_true", help="the workflow's per-shard jobs, 1 vs 2 cores")
+    ap.add_argument("--shard-size", type=int, default=1000, help="tokens.shard_size of --pipeline (config default 1000)")
+    ap.add_argument("--one-core", action="store_true", help="--pipeline at 1 core only (no speed-up)")
     ap.add_argument("--dry-shards", type=int, help="time the dry run of a dataset of this many shards")
     args = ap.parse_args()
     if not RECORDED.exists() or not TOKENIZER.exists():
@@ -227,7 +272,7 @@ def main() -> int:
     if args.dry_shards:
         return dry_run_at(args.dry_shards, work)
     if args.pipeline:
-        return pipeline(sizes, work)
+        return pipeline(sizes, work, args.shard_size, not args.one_core)
     rows = []
     for n in sizes:
         t0 = time.perf_counter()

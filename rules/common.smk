@@ -1,4 +1,5 @@
 # Helpers shared by every stage: resolved settings, paths, input functions.
+import hashlib
 import re
 from pathlib import Path
 
@@ -6,6 +7,7 @@ from eagledata.codeinputs import package_dir_for, stage_code
 from eagledata.config import dataset_settings, validate_config
 from eagledata.generate.ruleinputs import GenerateRuleInputs
 from eagledata.tokens.planfile import plan_keys
+from eagledata.tokens.policy import validation_setting
 
 validate_config(config, "config")  # same defaults and cross-checks as the library
 
@@ -17,12 +19,16 @@ TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "pattern.txt", "ch
                    "tokenizer.json", "special_tokens_map.json", "tokenizer.model")
 # Code inputs: every project module a rule's script imports (transitively, eagledata.codeinputs),
 # plus data files it reads. Editing any of them reruns that rule and what follows; generation
-# declares none, so no code change ever re-sends a paid request.
+# declares none, so no code change ever re-sends a paid request. A rule declares one stamp per script
+# (rules/stamps.smk hashes the files into it), not the files: thousands of per-shard jobs with
+# some 25 inputs each made the dry run slow.
 WORKFLOW_DIR = Path(workflow.main_snakefile).resolve().parent
 PACKAGE_DIR = package_dir_for(WORKFLOW_DIR)
+STAMPS = f"{RESULTS}/_code"
+CODE_STAMPS = {}  # stamp name -> the files it hashes
 
 
-def code_of(script, *data):
+def code_files(script, *data):
     """Module files ``script`` (relative to the Snakefile) imports, then ``data`` files of the package."""
     files = stage_code(WORKFLOW_DIR / script, PACKAGE_DIR, Path.cwd())
     cwd = Path.cwd().resolve()
@@ -30,6 +36,15 @@ def code_of(script, *data):
         path = (PACKAGE_DIR / "data" / name).resolve()
         files.append(str(path.relative_to(cwd)) if cwd in path.parents else str(path))
     return files
+
+
+def code_of(script, *data):
+    """The code input of the rules that run ``script``: the stamp of :func:`code_files` (one file)."""
+    name = Path(script).stem
+    if data:
+        name = f"{name}+{hashlib.sha256(chr(0).join(data).encode('utf-8')).hexdigest()[:8]}"
+    CODE_STAMPS[name] = code_files(script, *data)
+    return [f"{STAMPS}/scripts/{name}.sha256"]
 
 
 def regex_of(names):
@@ -44,11 +59,11 @@ def model_of(wildcards):
     return config["models"][config["datasets"][wildcards.dataset]["model"]]
 
 
-def tokenizer_input(wildcards):
+def tokenizer_files(model_name):
     """The tokenizer's files, so a changed vocabulary or template reruns tokens and downstream.
     A path a rule builds (the demo tokenizer) is returned as the directory itself; a hub id
     (no local path) contributes nothing: its identity is in params."""
-    model = model_of(wildcards)
+    model = config["models"][model_name]
     tok = model["tokenizer"]
     files = [model["chat_template"]] if model.get("chat_template") else []
     if tok.startswith(f"{RESULTS}/_assets/"):
@@ -57,6 +72,21 @@ def tokenizer_input(wildcards):
     if path.is_dir():
         return [str(path / f) for f in TOKENIZER_FILES if (path / f).exists()] + files
     return files
+
+
+def tokenizer_input(wildcards):
+    """The tokenizer's files (:func:`tokenizer_files`) of the dataset's model."""
+    return tokenizer_files(config["datasets"][wildcards.dataset]["model"])
+
+
+STAGE_STAMPS = {}  # stage stamp name -> the code stamps it covers
+
+
+def stage_stamp(name, *scripts):
+    """One stamp per dataset of the code of ``scripts`` and the dataset model's tokenizer files
+    (rules/stamps.smk), for the per-shard jobs: a plain pattern (no input function), one input."""
+    STAGE_STAMPS[name] = [code_of(s)[0] for s in scripts]
+    return f"{STAMPS}/datasets/{{dataset}}/{name}.sha256"
 
 
 def weights_input(wildcards):
@@ -80,7 +110,8 @@ def all_targets():
 
 _clashes = set(DATASETS) & {"all", "generate", "import_responses", "tokens", "validate", "extract",
                              "token_plan", "token_shard", "token_learn", "token_repairs", "token_judge",
-                             "demo_tokenizer", "demo_model", "report", "report_dataset", "export"}
+                             "demo_tokenizer", "demo_model", "report", "report_dataset", "export",
+                             "code_stamp", "stage_stamp"}
 if _clashes:
     raise ValueError(f"config: dataset name(s) {sorted(_clashes)} clash with rule names; rename them")
 
@@ -111,8 +142,7 @@ def token_judged(wildcards):
 
 
 def _validation_setting(wildcards, key):
-    own = config["datasets"][wildcards.dataset].get("validation") or {}
-    return own.get(key, config["validation"][key])
+    return validation_setting(config, wildcards.dataset, key)
 
 
 def dataset_policy(wildcards):

@@ -5,7 +5,8 @@
 # to apply, token_judge writes one final shard, and tokens gathers them into tokens/ (manifest.json and
 # hard links into tokens.store/). Slices, parts and the store live under results/{dataset}/ outside any
 # directory() output, so an unchanged shard keeps its files (bytes and mtimes) and reruns nothing.
-# Input functions (token_shard_keys and friends) are in rules/common.smk.
+# Input functions (token_shard_keys and friends) are in rules/common.smk; token_shard declares one stamp
+# (stage_stamp, rules/stamps.smk) for the code of both per-shard steps and the tokenizer.
 
 
 checkpoint token_plan:
@@ -32,8 +33,9 @@ rule token_shard:
     """Reconstruct the exact token ids of one shard's samples; a summary of what they teach."""
     input:
         slice=f"{TOKENS_WORK}/slices/{{shard}}.tsv",
-        tokenizer=tokenizer_input,
-        code=code_of("scripts/token_shard.py"),
+        # the code of both per-shard steps and the tokenizer: a change reruns this step, so the judge
+        # after it (whose own inputs are the part and conventions.json only: the dry run's cost)
+        stamp=stage_stamp("tokens", "scripts/token_shard.py", "scripts/token_judge.py"),
     output:
         part=f"{TOKENS_WORK}/parts/{{shard}}.parquet",
         summary=f"{TOKENS_WORK}/parts/{{shard}}.summary.json",
@@ -72,6 +74,8 @@ rule token_repairs:
     output:
         f"{TOKENS_WORK}/conventions.json",
     params:
+        # not used here: a changed policy reruns this job, so every token_judge after it
+        policy=dataset_policy,
         # the parts are upstream of learned.json (see eagledata.tokens.pershard, step 4)
         plan=f"{TOKENS_WORK}/plan.json",
     log:
@@ -88,13 +92,10 @@ rule token_judge:
     """One final shard: verdicts under the learned conventions, repairs, the policy's train column."""
     input:
         part=f"{TOKENS_WORK}/parts/{{shard}}.parquet",
-        conventions=f"{TOKENS_WORK}/conventions.json",
-        tokenizer=tokenizer_input,
-        code=code_of("scripts/token_judge.py"),
+        conventions=f"{TOKENS_WORK}/conventions.json",  # also carries code, tokenizer and policy changes
     output:
         f"{TOKENS_WORK}/judged/{{shard}}.json",
     params:
-        policy=dataset_policy,
         store=f"{RESULTS}/{{dataset}}/tokens.store",
     log:
         "logs/{dataset}/token_judge/{shard}.log",

@@ -3,7 +3,7 @@ import logging
 import sys
 
 from eagledata.config import dataset_settings, load_model_tokenizer
-from eagledata.tokens.pershard import reconstruct_shard
+from eagledata.tokens.pershard import peak_memory_mb, reconstruct_shard
 
 sm = snakemake  # noqa: F821 - injected by Snakemake
 logging.basicConfig(filename=sm.log[0], level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -12,6 +12,7 @@ try:
     tokenizer = load_model_tokenizer(sm.config, ds.model_name)
     summary = reconstruct_shard(sm.input.slice, sm.output.part, sm.output.summary, tokenizer, ds.family)
     logging.info("%s shard %s: %d samples reconstructed", ds.name, sm.wildcards.shard, summary["rows"])
+    logging.info("peak memory %.0f MB", peak_memory_mb())
 except Exception:
     logging.exception("token_shard failed")
     sys.exit(1)

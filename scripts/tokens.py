@@ -3,7 +3,7 @@ import logging
 import sys
 
 from eagledata.config import dataset_settings, load_model_tokenizer
-from eagledata.tokens.pershard import gather_manifest
+from eagledata.tokens.pershard import gather_manifest, peak_memory_mb
 
 sm = snakemake  # noqa: F821 - injected by Snakemake
 logging.basicConfig(filename=sm.log[0], level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -14,6 +14,7 @@ try:
                         tokenizer, ds.family, policy=sm.params.policy)
     logging.info("%s: %d samples in %d shards, tokenizer %s", ds.name, m["rows"], len(m["shards"]), m["tokenizer_fingerprint"][:16])
     logging.info("provider conventions: %s", m["conventions"])
+    logging.info("peak memory %.0f MB", peak_memory_mb())
 except Exception:
     logging.exception("tokens failed")
     sys.exit(1)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from eagledata.codeinputs import stage_code
+from eagledata.codeinputs import stage_code, write_stamp
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "src" / "eagledata"
@@ -143,6 +143,35 @@ def test_code_inputs_follow_imports_transitively(tmp_path):
     script.write_text("from eagledata.a import x\n")
     got = stage_code(script, pkg, tmp_path)
     assert got == sorted(f"src/eagledata/{p}" for p in ("__init__.py", "a/__init__.py", "a/b.py", "c.py", "d.py"))
+
+
+def test_code_inputs_follow_an_edited_import(tmp_path):
+    """The parsed imports are remembered per file version: a module that starts importing another is seen."""
+    pkg = tmp_path / "src" / "eagledata"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("x = 1\n")
+    (pkg / "b.py").write_text("y = 2\n")
+    script = tmp_path / "script.py"
+    script.write_text("from eagledata.a import x\n")
+    assert stage_code(script, pkg, tmp_path) == ["src/eagledata/__init__.py", "src/eagledata/a.py"]
+    (pkg / "a.py").write_text("from eagledata.b import y\nx = 1\n")
+    assert stage_code(script, pkg, tmp_path) == ["src/eagledata/__init__.py", "src/eagledata/a.py", "src/eagledata/b.py"]
+
+
+def test_a_stamp_changes_with_content_only(tmp_path):
+    """A stamp hashes file contents (a directory: every file under it), so a rewrite with the same
+    bytes gives the same stamp and any edit a different one."""
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "vocab.txt").write_text("a 1\n")
+    (tmp_path / "m.py").write_text("x = 1\n")
+    inputs = [tmp_path / "m.py", tmp_path / "tok"]
+    first = write_stamp(inputs, tmp_path / "s" / "stamp")
+    (tmp_path / "m.py").write_text("x = 1\n")
+    assert write_stamp(inputs, tmp_path / "s" / "stamp") == first
+    assert f"{tmp_path / 'tok' / 'vocab.txt'}" in (tmp_path / "s" / "stamp").read_text()
+    (tmp_path / "tok" / "vocab.txt").write_text("a 2\n")
+    assert write_stamp(inputs, tmp_path / "s" / "stamp") != first
 
 
 @pytest.mark.parametrize("script", ["tokens.py", "validate.py", "report.py", "export.py", "extract.py"])

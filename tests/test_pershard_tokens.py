@@ -93,6 +93,21 @@ def test_slices_of_unchanged_shards_keep_bytes_and_mtime(tmp_path):
 
 
 @needs_recorded
+def test_plan_refuses_a_duplicate_id_as_the_one_job_stage_does(tmp_path):
+    """The plan's compact index (no object per record) names the line where an id first repeats."""
+    records = _records(40)
+    records[25]["id"], records[31]["id"], records[33]["id"] = "rec-00007", "rec-00002", "rec-00007"
+    src = tmp_path / "responses.jsonl"
+    _write(src, records)
+    fam = get_family("kimi-k2")
+    with pytest.raises(ps.ResponsesFileError) as planned:
+        ps.plan_shards(src, tmp_path / "plan.json", tmp_path / "slices", "ds", 10)
+    with pytest.raises(ps.ResponsesFileError) as one_job:
+        build_token_shards(src, tmp_path / "old", load_tokenizer(K2, fam), fam, "ds", shard_size=10)
+    assert str(planned.value) == str(one_job.value) == f"{src}:26: field 'id': duplicate id 'rec-00007'"
+
+
+@needs_recorded
 def test_learning_reads_the_per_shard_summaries_only(tmp_path):
     """The learning job gets the same conventions from the summaries alone (the parts, the slices and
     the responses removed), and a summary's size does not grow with its shard."""

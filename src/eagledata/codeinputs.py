@@ -9,11 +9,19 @@ module reads (templates, the corpus) are not imports and stay listed by the rule
 Why our own code: Python's ``modulefinder`` executes no code either, but follows every third-party
 and standard-library import (slow for a dry run of many jobs) and does not resolve the project's
 package from a checkout other than the installed one.
+
+Stamps: a rule does not declare those files itself. :func:`write_stamp` (the workflow's ``code_stamp``
+and ``tokenizer_stamp`` jobs) hashes them into one small file, and the rule declares that stamp, so a
+workflow of thousands of per-shard jobs builds one input per job instead of some 25 (the dry run's
+cost). The stamp job reruns only on a content change (Snakemake compares the recorded checksums of a
+newer input), and a rerun stamp is newer than every job that declares it, so those jobs rerun then.
 """
 
 from __future__ import annotations
 
 import ast
+import hashlib
+import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -59,21 +67,32 @@ def _imported(tree: ast.AST, current: str | None, is_package: bool) -> set[str]:
 
 
 @lru_cache(maxsize=None)
+def _direct(package_dir: Path, path: Path, mtime_ns: int, size: int) -> tuple[Path, ...]:
+    """Project module files ``path`` imports directly (packages on the way included), parsed once per
+    file version: the rules of one workflow share most of their modules."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    inside = package_dir in path.parents
+    current = _dotted_of(package_dir, path) if inside else None
+    found: dict[Path, None] = {}
+    for dotted in _imported(tree, current, path.name == "__init__.py"):
+        parts = dotted.split(".")
+        for i in range(1, len(parts) + 1):  # the packages on the way are imported too
+            module = _module_file(package_dir, ".".join(parts[:i]))
+            if module is not None:
+                found[module] = None
+    return tuple(found)
+
+
 def _closure(package_dir: Path, start: Path) -> tuple[str, ...]:
     seen: set[Path] = set()
     todo = [start]
     while todo:
         path = todo.pop()
-        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
-        inside = package_dir in path.parents
-        current = _dotted_of(package_dir, path) if inside else None
-        for dotted in _imported(tree, current, path.name == "__init__.py"):
-            parts = dotted.split(".")
-            for i in range(1, len(parts) + 1):  # the packages on the way are imported too
-                found = _module_file(package_dir, ".".join(parts[:i]))
-                if found is not None and found not in seen:
-                    seen.add(found)
-                    todo.append(found)
+        st = path.stat()
+        for found in _direct(package_dir, path, st.st_mtime_ns, st.st_size):
+            if found not in seen:
+                seen.add(found)
+                todo.append(found)
     return tuple(sorted(str(p) for p in seen))
 
 
@@ -96,3 +115,29 @@ def package_dir_for(workflow_dir: str | Path) -> Path:
     import eagledata
 
     return Path(eagledata.__file__).resolve().parent
+
+
+def stamp_lines(paths: list[str | Path]) -> list[str]:
+    """``sha256  path`` of every file in ``paths``, a directory standing for every file under it
+    (walked in sorted order); the paths as given, so the stamp reads like the rule's inputs."""
+    lines = []
+    for given in paths:
+        path = Path(given)
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        for f in files:
+            h = hashlib.sha256(f.read_bytes()).hexdigest()
+            lines.append(f"{h}  {f if f == path else Path(given) / f.relative_to(path)}")
+    return lines
+
+
+def write_stamp(paths: list[str | Path], out: str | Path) -> str:
+    """Write the stamp of ``paths`` (:func:`stamp_lines`, then the sha256 of those lines) to ``out``
+    atomically; return that digest."""
+    lines = stamp_lines(paths)
+    digest = hashlib.sha256("\n".join(lines).encode("utf-8")).hexdigest()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    tmp.write_text("".join(f"{line}\n" for line in lines) + f"{digest}  (all)\n", encoding="utf-8")
+    os.replace(tmp, out)
+    return digest

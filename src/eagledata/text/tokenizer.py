@@ -25,6 +25,7 @@ Contract of every tokenizer:
 from __future__ import annotations
 
 import base64
+import binascii
 import hashlib
 import json
 import re
@@ -130,6 +131,11 @@ def _sha256_parts(parts: Iterable[bytes]) -> str:
 
 def read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
     """Read a ``base64(bytes) rank`` file; errors name the file and line."""
+    try:  # every job loads the tokenizer: one pass over the bytes, base64 decoded as b64decode does
+        return {binascii.a2b_base64(tok): int(rank)
+                for tok, rank in (line.split() for line in Path(path).read_bytes().splitlines() if line.strip())}
+    except Exception:  # noqa: BLE001 - the line-by-line read below names the offending line
+        pass
     ranks: dict[bytes, int] = {}
     with open(path, "rb") as fh:
         for lineno, line in enumerate(fh, 1):

@@ -36,6 +36,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import resource
+from array import array
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -44,11 +46,12 @@ import polars as pl
 from eagledata.io import atomic_path, atomic_write_json, sha256_file
 from eagledata.text.families import ModelFamily
 from eagledata.text.tokenizer import Tokenizer
+from eagledata.tokens.samples import record_id
 from eagledata.tokens import summaries
 from eagledata.tokens.planfile import plan_keys, read_plan
 from eagledata.tokens.checks import SampleStats, repairable
 from eagledata.tokens.policy import resolve_policy
-from eagledata.tokens.shards import (PASS1_SCHEMA, MAX_SHARD_FACTOR, Judge, ResponsesFileError, checked_record, index_records,
+from eagledata.tokens.shards import (PASS1_SCHEMA, MAX_SHARD_FACTOR, Judge, ResponsesFileError, checked_record, iter_records,
                                      Learned, prune_shards, publish_shard, reconstruct_sample, transformations_seen, with_verdicts,
                                      shard_groups, shard_name)
 
@@ -58,6 +61,20 @@ SHARDING_RULE = "ids sorted; a shard starts at each id with int(sha256(id), 16) 
 _STATS_SCHEMA: Mapping[str, Any] = {"has_eot": pl.Boolean, "codes": pl.List(pl.Utf8), "has_tools": pl.Boolean,
                                     "prompt_alt": pl.Utf8}
 PART_SCHEMA: Mapping[str, Any] = {**PASS1_SCHEMA, **_STATS_SCHEMA}
+
+
+def peak_memory_mb() -> float:
+    """This process's peak resident memory so far (MB): each job logs it, so a job's peak can be
+    compared across dataset sizes (benchmarks/tokens_scale.py). Linux's ``VmHWM``: ``ru_maxrss``
+    keeps the peak from before ``exec``, i.e. that of the Snakemake process the job was forked from."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def shard_key(first_id: str) -> str:
@@ -76,11 +93,11 @@ def work_paths(work_dir: str | Path, key: str) -> dict[str, Path]:
 def plan_shards(responses_path: str | Path, plan_path: str | Path, slices_dir: str | Path, dataset: str,
                 shard_size: int) -> dict[str, Any]:
     """Write the plan and the slices (see the module docstring); return the plan."""
-    entries = index_records(responses_path, dataset)
-    groups = [g for g in shard_groups(list(entries), shard_size) if g]
+    ids, offsets, order = id_index(responses_path, dataset)
+    groups = [g for g in shard_groups(ids, shard_size) if g]  # consecutive runs of ``order``
     slices = Path(slices_dir)
     slices.mkdir(parents=True, exist_ok=True)
-    shards, written, keys = [], 0, set()
+    shards, written, keys, next_row = [], 0, set(), 0
     digest = hashlib.sha256()
     with open(responses_path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
@@ -92,7 +109,9 @@ def plan_shards(responses_path: str | Path, plan_path: str | Path, slices_dir: s
             keys.add(key)
             lines = []
             for sid in group:
-                fh.seek(entries[sid].offset)
+                i = order[next_row]
+                next_row += 1
+                fh.seek(offsets[i])
                 lines.append(json.dumps(sid, ensure_ascii=False).encode("utf-8") + b"\t"
                              + fh.readline().rstrip(b"\r\n") + b"\n")
             written += _write_if_changed(slices / f"{key}.tsv", b"".join(lines))
@@ -101,12 +120,36 @@ def plan_shards(responses_path: str | Path, plan_path: str | Path, slices_dir: s
         if p.suffix == ".tsv" and p.stem not in keys:
             p.unlink()
     plan = {"version": PLAN_VERSION, "dataset": dataset, "source": str(responses_path),
-            "source_sha256": digest.hexdigest(), "rows": len(entries),
+            "source_sha256": digest.hexdigest(), "rows": len(ids),
             "sharding": {"rule": SHARDING_RULE, "shard_size": shard_size, "max_rows": MAX_SHARD_FACTOR * shard_size,
                          "key": "sha256(first id)[:16]"},
             "shards": shards}
     atomic_write_json(plan_path, plan)
     return {**plan, "slices_written": written}
+
+
+def id_index(responses_path: str | Path, dataset: str) -> tuple[list[str], array, list[int]]:
+    """Every record's id (each record checked as the one-job stage checks it), its line's byte offset,
+    both in file order, and the rows in id order. Compact: a string, 8 bytes and a list slot per
+    record, no object per record. Duplicate ids are refused naming the line where the first one
+    repeats (as :func:`~eagledata.tokens.shards.index_records` does)."""
+    ids: list[str] = []
+    linenos, offsets, starts, pos = array("l"), array("q"), array("q"), 0
+    with open(responses_path, "rb") as fh:
+        for raw in fh:
+            starts.append(pos)
+            pos += len(raw)
+    for lineno, rec in iter_records(responses_path):
+        ids.append(record_id(rec, f"{dataset}-{lineno:06d}"))
+        linenos.append(lineno)
+        offsets.append(starts[lineno - 1])
+    del starts
+    order = sorted(range(len(ids)), key=ids.__getitem__)
+    repeats = [max(linenos[a], linenos[b]) for a, b in zip(order, order[1:]) if ids[a] == ids[b]]
+    if repeats:
+        first = min(repeats)
+        raise ResponsesFileError(f"{responses_path}:{first}: field 'id': duplicate id {ids[linenos.index(first)]!r}")
+    return ids, offsets, order
 
 
 def _write_if_changed(path: Path, data: bytes) -> int:
@@ -130,17 +173,19 @@ def iter_slice(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
 def reconstruct_shard(slice_path: str | Path, part_path: str | Path, summary_path: str | Path,
                       tokenizer: Tokenizer, family: ModelFamily, template: str | None = None) -> dict[str, Any]:
     """One shard's samples -> its part and summary; returns the summary."""
-    rows, stats = [], []
+    columns: dict[str, list] = {name: [] for name in PART_SCHEMA}  # built column-wise: one Series each
+    stats = []
     for sid, rec in iter_slice(slice_path):
         st, row = reconstruct_sample(rec, sid, tokenizer, family, template)
         row.update(has_eot=st.has_eot, codes=st.codes, has_tools=st.has_tools,
                    prompt_alt=json.dumps(st.prompt_alt) if st.prompt_alt is not None else None)
-        rows.append(row)
+        for name, values in columns.items():
+            values.append(row[name])
         stats.append(st)
     summary = summaries.summarize(stats)
     Path(part_path).parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(part_path) as tmp:
-        pl.DataFrame(rows, schema=PART_SCHEMA).write_parquet(tmp, compression="zstd")
+        pl.DataFrame(columns, schema=PART_SCHEMA).write_parquet(tmp, compression="zstd")
     Path(summary_path).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(summary_path, summary)
     return summary
@@ -284,5 +329,5 @@ def gather_manifest(plan_path: str | Path, judged_paths: Sequence[str | Path], c
     return manifest
 
 
-__all__ = ["PART_SCHEMA", "gather_manifest", "iter_slice", "judge_shard", "learn_repairs", "learn_summaries",
+__all__ = ["PART_SCHEMA", "gather_manifest", "id_index", "iter_slice", "peak_memory_mb", "judge_shard", "learn_repairs", "learn_summaries",
            "part_stats", "plan_keys", "plan_shards", "read_plan", "reconstruct_shard", "shard_key", "work_paths"]

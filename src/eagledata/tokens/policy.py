@@ -83,3 +83,10 @@ def _custom(spec: Mapping[str, Any]) -> Policy:
         raise PolicyError("policy: completion: 'error' samples have no ids to train on")
     name = f"completion={','.join(sorted(completion))};prompt={','.join(sorted(prompt))}"
     return Policy(name, completion, prompt)
+
+
+def validation_setting(config: Mapping[str, Any], dataset: str, key: str) -> Any:
+    """``validation.<key>`` for ``dataset``: its own ``datasets.<name>.validation`` block first, then
+    the run-wide ``validation`` block."""
+    own = config["datasets"][dataset].get("validation") or {}
+    return own.get(key, config["validation"][key])
