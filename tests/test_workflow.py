@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -218,17 +219,28 @@ def test_editing_a_module_reruns_the_stages_that_import_it_and_never_generation(
     imported = {script: _runtime_imports(work, script) for script in STAGE_RULES}
     assert all(imported.values())
 
-    def plan_after_edit(path: Path) -> dict[str, int]:
+    # Two copies of the finished run (copy2 keeps mtimes: nothing is out of date in either), each
+    # editing every other module, so the dry runs use both cores.
+    twin = shutil.copytree(work, tmp_path / "w2", symlinks=True)
+    assert planned_jobs(twin, env=env) == {}
+
+    def plan_after_edit(root: Path, rel: Path) -> dict[str, int]:
         """A real edit (Snakemake compares input checksums, so a touch is not a change), then undone."""
+        path = root / rel
         text, st = path.read_bytes(), path.stat()
         path.write_bytes(text + b"\n# edited\n")
         try:
-            return planned_jobs(work, env=env)
+            return planned_jobs(root, env=env)
         finally:
             path.write_bytes(text)
             os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
-    results = {path: plan_after_edit(path) for path in modules}
+    rels = [path.relative_to(work) for path in modules]
+    with ThreadPoolExecutor(2) as pool:
+        halves = pool.map(lambda job: {rel: plan_after_edit(job[0], rel) for rel in job[1]},
+                          [(work, rels[0::2]), (Path(twin), rels[1::2])])
+        results = {work / rel: jobs for half in halves for rel, jobs in half.items()}
+    assert len(results) == len(modules)
     for path, jobs in results.items():
         rel = str(path.relative_to(work))
         assert "generate" not in jobs and "import_responses" not in jobs, (rel, jobs)
