@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from eagledata.extract.base import ExtractionError
+from eagledata.extract.storage import read_tokens_manifest
 from eagledata.io import atomic_write_json
 
 PLAN_FORMAT = "eagledata-extract-plan/1"
@@ -27,10 +28,7 @@ def write_plan(tokens_dir: str | Path, plan_path: str | Path) -> dict[str, Any]:
     content-named files, ``sharding.store``), written atomically to ``plan_path``; returned."""
     tokens_dir = Path(tokens_dir)
     path = tokens_dir / "manifest.json"
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ExtractionError(f"tokens manifest not found: {path}") from None
+    manifest = read_tokens_manifest(tokens_dir, verify=False)
     store_rel = (manifest.get("sharding") or {}).get("store")
     if not store_rel:
         raise ExtractionError(f"{path}: no sharding.store (tokens written by the one-job stage?): rerun the tokens stage")
