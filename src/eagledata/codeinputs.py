@@ -11,7 +11,7 @@ and standard-library import (slow for a dry run of many jobs) and does not resol
 package from a checkout other than the installed one.
 
 Stamps: a rule does not declare those files itself. :func:`write_stamp` (the workflow's ``code_stamp``
-and ``tokenizer_stamp`` jobs) hashes them into one small file, and the rule declares that stamp, so a
+and ``stage_stamp`` jobs) hashes them into one small file, and the rule declares that stamp, so a
 workflow of thousands of per-shard jobs builds one input per job instead of some 25 (the dry run's
 cost). The stamp job reruns only on a content change (Snakemake compares the recorded checksums of a
 newer input), and a rerun stamp is newer than every job that declares it, so those jobs rerun then.
@@ -20,10 +20,10 @@ newer input), and a rerun stamp is newer than every job that declares it, so tho
 from __future__ import annotations
 
 import ast
-import hashlib
-import os
 from functools import lru_cache
 from pathlib import Path
+
+from eagledata.io import atomic_write_text, sha256_file, sha256_text
 
 PACKAGE = "eagledata"
 
@@ -125,8 +125,7 @@ def stamp_lines(paths: list[str | Path]) -> list[str]:
         path = Path(given)
         files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
         for f in files:
-            h = hashlib.sha256(f.read_bytes()).hexdigest()
-            lines.append(f"{h}  {f if f == path else Path(given) / f.relative_to(path)}")
+            lines.append(f"{sha256_file(f)}  {f if f == path else Path(given) / f.relative_to(path)}")
     return lines
 
 
@@ -134,10 +133,7 @@ def write_stamp(paths: list[str | Path], out: str | Path) -> str:
     """Write the stamp of ``paths`` (:func:`stamp_lines`, then the sha256 of those lines) to ``out``
     atomically; return that digest."""
     lines = stamp_lines(paths)
-    digest = hashlib.sha256("\n".join(lines).encode("utf-8")).hexdigest()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    tmp.write_text("".join(f"{line}\n" for line in lines) + f"{digest}  (all)\n", encoding="utf-8")
-    os.replace(tmp, out)
+    digest = sha256_text("\n".join(lines))
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out, "".join(f"{line}\n" for line in lines) + f"{digest}  (all)\n")
     return digest
