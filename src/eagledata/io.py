@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -64,6 +65,19 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         with contextlib.suppress(FileNotFoundError):
             if tmp.is_file():
                 tmp.unlink()
+
+
+def link_file(src: str | Path, dst: str | Path) -> None:
+    """Make ``dst`` the file ``src``: a hard link, or an atomic copy keeping the mtime where linking is
+    impossible (another filesystem). An existing ``dst`` is replaced; its directory is created."""
+    src, dst = Path(src), Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.unlink(missing_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        with atomic_path(dst) as tmp:
+            shutil.copy2(src, tmp)
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ from eagledata.extract.base import ExtractionError
 from eagledata.extract.fp8 import SCALES, dequantize
 from eagledata.extract.norm import FinalNorm
 from eagledata.extract.storage import FORMAT, publish_dir, read_index
-from eagledata.io import atomic_path, atomic_write_json
+from eagledata.io import atomic_path, atomic_write_json, link_file
 
 log = logging.getLogger("eagledata.export.common")
 
@@ -158,15 +157,6 @@ class ShardStore:
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
-def link(src: Path, dst: Path) -> None:
-    """Hard-link ``src`` to ``dst`` (a copy where links are impossible)."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
 def fresh_target(out_dir: Path, work_dir: Path | None) -> Path:
     """The (emptied) directory an export's layout is assembled in."""
     target = work_dir if work_dir is not None else out_dir
@@ -263,7 +253,7 @@ def assemble(hidden_dir: Path, manifest: dict[str, Any], target: Path, store: Sh
         counts += completion_token_counts(hidden_dir, shard, vocab)
         for row in shard.rows:
             rel = global_name(row["sample"])
-            link(entry / local_name(row["row"]), target / rel)
+            link_file(entry / local_name(row["row"]), target / rel)
             for k, v in (("sample", row["sample"]), ("id", row["id"]), ("file", rel), ("tokens", row["length"]),
                          ("shard", shard.file)):
                 rows[k].append(v)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import socket
 import time
 from dataclasses import dataclass, field, replace
@@ -54,7 +53,7 @@ from eagledata.extract.storage import (
     write_index,
     write_manifest,
 )
-from eagledata.io import atomic_write_json, sha256_file
+from eagledata.io import atomic_write_json, link_file, sha256_file
 
 log = logging.getLogger("eagledata.extract.pershard")
 
@@ -181,15 +180,6 @@ def extract_keyed_shard(plan_path: str | Path, key: str, source: str | Path, sto
     return out
 
 
-def link_shard(src: Path, dst: Path) -> None:
-    """``dst`` = ``src``: a hard link (a copy keeping the mtime where linking fails)."""
-    dst.unlink(missing_ok=True)
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
 def _checked_entry(record: dict[str, Any], key: str, store: Path) -> dict[str, Any]:
     """A record as a manifest shard entry, checked against the stored file (re-hashed when its size or
     mtime changed since the record was written)."""
@@ -238,7 +228,7 @@ def gather_hidden(plan_path: str | Path, record_paths: Sequence[str | Path], out
                                out), tokens_dir=Path(plan["token_store"]))
     norm: dict[str, Any] = {}
     for s in shards_out:
-        link_shard(store / s["file"], out / s["file"])
+        link_file(store / s["file"], out / s["file"])
         norm = norm_facts(out / s["file"], norm)
     write_index(out / "index.parquet", shards_out, out)
     manifest = run.manifest(shards_out, True, **norm)
@@ -253,5 +243,5 @@ def gather_hidden(plan_path: str | Path, record_paths: Sequence[str | Path], out
     return manifest
 
 
-__all__ = ["ExtractionSettings", "extract_keyed_shard", "gather_hidden", "link_shard", "prune_store", "sidecar_of",
+__all__ = ["ExtractionSettings", "extract_keyed_shard", "gather_hidden", "prune_store", "sidecar_of",
            "stored_record"]

@@ -69,8 +69,8 @@ from eagledata.tokens.repairs import (WHITESPACE_CONTENT, WHITESPACE_REASONING, 
                       parsed_from_segments, search_repairs)
 from eagledata.errors import InputError
 from eagledata.text.families import ModelFamily
-from eagledata.io import (ResponsesFileError, atomic_path, atomic_write_json, iter_json_lines, normalize_response_line,
-                          sha256_file)
+from eagledata.io import (ResponsesFileError, atomic_path, atomic_write_json, iter_json_lines, link_file,
+                          normalize_response_line, sha256_file)
 from eagledata.tokens.samples import alternative_prompt_lengths, record_id, tokenize_record
 from eagledata.text.tokenizer import Tokenizer
 
@@ -366,12 +366,7 @@ def publish_shard(src: Path, dst: Path, sha: str) -> None:
     if dst.is_file():
         if os.path.samefile(src, dst) or (dst.stat().st_size == src.stat().st_size and sha256_file(dst) == sha):
             return
-        dst.unlink()
-    try:
-        os.link(src, dst)
-    except OSError:
-        with atomic_path(dst) as tmp:
-            shutil.copy2(src, tmp)
+    link_file(src, dst)
 
 
 def prune_shards(directory: Path, keep: Sequence[str]) -> None:
