@@ -102,7 +102,7 @@ from eagledata.extract.storage import (
     write_index,
     write_manifest,
 )
-from eagledata.io import sha256_file
+from eagledata.io import sha256_file, sha256_text
 
 log = logging.getLogger("eagledata.extract.core")
 
@@ -429,10 +429,7 @@ def resolve_run(tokens_dir: str | Path, target: str | Path, weights: str | Path,
 def code_fingerprint(files: Iterable[str | Path]) -> str:
     """Identity of the extraction code: sha256 over the sorted (file name, content sha256) of ``files``
     (the rule's code inputs), so an edit re-extracts while a moved work directory does not."""
-    import hashlib
-
-    parts = sorted(f"{Path(f).name}:{sha256_file(f)}" for f in files)
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+    return sha256_text("\n".join(sorted(f"{Path(f).name}:{sha256_file(f)}" for f in files)))
 
 
 class LazyBackend:
