@@ -217,7 +217,6 @@ def dry_run_at(n_shards: int, work: Path) -> int:
     # placeholder outputs, each step's files newer than its inputs (the DAG does not depend on what a
     # shard holds; Snakemake's --touch over 4,000 jobs takes minutes)
     steps = [[w / "parts" / f"{k}.parquet" for k in keys] + [w / "parts" / f"{k}.summary.json" for k in keys],
-             [w / "learned.json"], [w / "conventions.json"], [w / "judged" / f"{k}.json" for k in keys],
              [repo / f"results/{name}/tokens"],
              [repo / f"results/{name}" / f for f in ("validation.json", "validation.txt")]]
     stamp = time.time()

@@ -109,7 +109,7 @@ def all_targets():
 
 
 _clashes = set(DATASETS) & {"all", "generate", "import_responses", "tokens", "validate", "extract",
-                             "token_plan", "token_shard", "token_learn", "token_repairs", "token_judge",
+                             "token_plan", "token_shard",
                              "demo_tokenizer", "demo_model", "report", "report_dataset", "export",
                              "code_stamp", "stage_stamp"}
 if _clashes:
@@ -136,9 +136,9 @@ def token_summaries(wildcards):
     return [f"{work}/parts/{k}.summary.json" for k in token_shard_keys(wildcards)]
 
 
-def token_judged(wildcards):
+def token_parts(wildcards):
     work = TOKENS_WORK.format(dataset=wildcards.dataset)
-    return [f"{work}/judged/{k}.json" for k in token_shard_keys(wildcards)]
+    return [f"{work}/parts/{k}.parquet" for k in token_shard_keys(wildcards)]
 
 
 def _validation_setting(wildcards, key):

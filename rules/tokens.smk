@@ -1,12 +1,12 @@
-# The tokens stage, one job per shard (eagledata.tokens.pershard): the checkpoint token_plan cuts a
-# dataset's responses into stable shards (keys and per-shard slices of the responses), token_shard
-# reconstructs one shard (the heavy step; --cores N runs N at once), token_learn learns the dataset's
-# conventions from the per-shard summaries, token_repairs learns which repairs each provider is proven
-# to apply, token_judge writes one final shard, and tokens gathers them into tokens/ (manifest.json and
-# hard links into tokens.store/). Slices, parts and the store live under results/{dataset}/ outside any
-# directory() output, so an unchanged shard keeps its files (bytes and mtimes) and reruns nothing.
-# Input functions (token_shard_keys and friends) are in rules/common.smk; token_shard declares one stamp
-# (stage_stamp, rules/stamps.smk) for the code of both per-shard steps and the tokenizer.
+# The tokens stage (eagledata.tokens.pershard): the checkpoint token_plan cuts a dataset's responses
+# into stable shards (keys and per-shard slices of the responses), token_shard reconstructs one shard
+# (the heavy step, one job per shard: --cores N runs N at once), and tokens learns the dataset's
+# conventions from the per-shard summaries, the repairs each provider is proven to apply, judges every
+# shard and gathers them into tokens/ (manifest.json and hard links into tokens.store/). Slices, parts
+# and the store live under results/{dataset}/ outside any directory() output, so an unchanged shard
+# keeps its files (bytes and mtimes) and reruns nothing. Input functions (token_parts and friends) are
+# in rules/common.smk; token_shard declares one stamp (stage_stamp, rules/stamps.smk) for its code and
+# the tokenizer.
 
 
 checkpoint token_plan:
@@ -33,9 +33,8 @@ rule token_shard:
     """Reconstruct the exact token ids of one shard's samples; a summary of what they teach."""
     input:
         slice=f"{TOKENS_WORK}/slices/{{shard}}.tsv",
-        # the code of both per-shard steps and the tokenizer: a change reruns this step, so the judge
-        # after it (whose own inputs are the part and conventions.json only: the dry run's cost)
-        stamp=stage_stamp("tokens", "scripts/token_shard.py", "scripts/token_judge.py"),
+        # the code of this step and the tokenizer, one file per dataset (a plain pattern: the dry run's cost)
+        stamp=stage_stamp("tokens", "scripts/token_shard.py"),
     output:
         part=f"{TOKENS_WORK}/parts/{{shard}}.parquet",
         summary=f"{TOKENS_WORK}/parts/{{shard}}.summary.json",
@@ -49,80 +48,28 @@ rule token_shard:
         "../scripts/token_shard.py"
 
 
-rule token_learn:
-    """The dataset's count conventions, reasoning-count reliability and prompt variants, from the
-    per-shard summaries only."""
-    input:
-        summaries=token_summaries,
-        code=code_of("scripts/token_learn.py"),
-    output:
-        f"{TOKENS_WORK}/learned.json",
-    log:
-        "logs/{dataset}/token_learn.log",
-    conda:
-        "../envs/core.yaml"
-    script:
-        "../scripts/token_learn.py"
-
-
-rule token_repairs:
-    """Which repairs each provider is proven to apply (searched on the samples needing one)."""
-    input:
-        learned=f"{TOKENS_WORK}/learned.json",
-        tokenizer=tokenizer_input,
-        code=code_of("scripts/token_repairs.py"),
-    output:
-        f"{TOKENS_WORK}/conventions.json",
-    params:
-        # not used here: a changed policy reruns this job, so every token_judge after it
-        policy=dataset_policy,
-        # the parts are upstream of learned.json (see eagledata.tokens.pershard, step 4)
-        plan=f"{TOKENS_WORK}/plan.json",
-    log:
-        "logs/{dataset}/token_repairs.log",
-    benchmark:
-        "benchmarks/out/{dataset}/token_repairs.tsv"
-    conda:
-        "../envs/core.yaml"
-    script:
-        "../scripts/token_repairs.py"
-
-
-rule token_judge:
-    """One final shard: verdicts under the learned conventions, repairs, the policy's train column."""
-    input:
-        part=f"{TOKENS_WORK}/parts/{{shard}}.parquet",
-        conventions=f"{TOKENS_WORK}/conventions.json",  # also carries code, tokenizer and policy changes
-    output:
-        f"{TOKENS_WORK}/judged/{{shard}}.json",
-    params:
-        store=f"{RESULTS}/{{dataset}}/tokens.store",
-    log:
-        "logs/{dataset}/token_judge/{shard}.log",
-    conda:
-        "../envs/core.yaml"
-    script:
-        "../scripts/token_judge.py"
-
-
 # The shards live in {dataset}/tokens.store, which is not an output: Snakemake deletes a directory()
 # output before rerunning its job, so the declared tokens/ holds manifest.json and hard links to the
 # stored shards, and a shard whose content did not change keeps its file, bytes and mtime.
 rule tokens:
-    """Gather the judged shards: tokens/manifest.json and a hard link per shard."""
+    """Learn the dataset's conventions and repairs from the shards, judge each shard, gather them:
+    tokens/manifest.json and a hard link per shard (learned.json, conventions.json in tokens.work/)."""
     input:
-        judged=token_judged,
-        conventions=f"{TOKENS_WORK}/conventions.json",
+        parts=token_parts,
+        summaries=token_summaries,
         tokenizer=tokenizer_input,
         code=code_of("scripts/tokens.py"),
     output:
         directory(f"{RESULTS}/{{dataset}}/tokens"),
     params:
+        # upstream of the parts; not an input, so a plan rewritten with the same shards reruns nothing
         plan=f"{TOKENS_WORK}/plan.json",
         policy=dataset_policy,
         store=f"{RESULTS}/{{dataset}}/tokens.store",
     log:
         "logs/{dataset}/tokens.log",
+    benchmark:
+        "benchmarks/out/{dataset}/tokens.tsv"
     conda:
         "../envs/core.yaml"
     script:

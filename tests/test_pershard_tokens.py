@@ -29,12 +29,7 @@ def run_pershard(src: Path, work: Path, tok, fam, shard_size: int, dataset: str 
     paths = {k: ps.work_paths(work, k) for k in keys}
     for k in keys:
         ps.reconstruct_shard(paths[k]["slice"], paths[k]["part"], paths[k]["summary"], tok, fam)
-    ps.learn_summaries([paths[k]["summary"] for k in keys], work / "learned.json")
-    ps.learn_repairs(work / "learned.json", [paths[k]["part"] for k in keys], work / "conventions.json", tok, fam)
-    for k in keys:
-        ps.judge_shard(paths[k]["part"], work / "conventions.json", work.parent / "store", paths[k]["judged"], tok, fam)
-    return ps.gather_manifest(work / "plan.json", [paths[k]["judged"] for k in keys], work / "conventions.json",
-                              work.parent / "tokens", work.parent / "store", tok, fam)
+    return ps.learn_and_judge(work / "plan.json", work, work.parent / "tokens", work.parent / "store", tok, fam)
 
 
 @needs_recorded
@@ -147,8 +142,9 @@ def test_learning_reads_the_per_shard_summaries_only(tmp_path):
 @pytest.mark.workflow
 def test_one_new_response_rebuilds_only_its_shard(tmp_path):
     """Real snakemake on an imported dataset of 300 responses in about 30 shards: adding one response
-    reruns the plan, one token_shard job and what follows (judging, gathering, validation); every other
-    shard's reconstruction is up to date, and its slice and part keep their bytes and mtimes."""
+    reruns the plan, one token_shard job and what follows (the dataset's learning, judging and
+    gathering job, validation); every other shard's reconstruction is up to date, its slice and part
+    keep their bytes and mtimes, and its final shard in the store keeps its file."""
     from test_workflow import _copy_repo, planned_jobs, snakemake
 
     work = _copy_repo(tmp_path / "w")
@@ -168,15 +164,19 @@ def test_one_new_response_rebuilds_only_its_shard(tmp_path):
     assert n_shards > 15
     parts = work / "results/rec/tokens.work/parts"
     before = {p.name: p.stat().st_mtime_ns for p in parts.glob("*.parquet")}
+    store = work / "results/rec/tokens.store"
+    stored = {p.name: p.stat().st_mtime_ns for p in store.glob("*.parquet")}
     _write(src, records + [dict(records[7], id=_new_id(records, 10))])
     snakemake(work, "results/rec/tokens.work/plan.json")  # import + the checkpoint (cheap, streams ids)
     jobs = planned_jobs(work, "rec")
     assert jobs.get("token_shard") == 1, jobs
-    assert {"token_learn", "token_repairs", "tokens", "validate"} <= set(jobs), jobs
-    assert jobs.get("token_judge", 0) <= n_shards
+    assert jobs.get("tokens") == 1 and "validate" in jobs, jobs
+    assert set(jobs) == {"token_shard", "tokens", "validate", "rec"}, jobs  # "rec": the target rule
     snakemake(work, "rec")
     after = {p.name: p.stat().st_mtime_ns for p in parts.glob("*.parquet")}
     assert sum(after[k] != before.get(k) for k in after) == 1
+    kept = {k: t for k, t in ((p.name, p.stat().st_mtime_ns) for p in store.glob("*.parquet")) if stored.get(k) == t}
+    assert len(kept) == n_shards - 1, (len(kept), n_shards)  # only the new response's shard has a new file
     report = json.loads((work / "results/rec/validation.json").read_text())
     assert report["counts"]["total"] == 301
     assert planned_jobs(work, "rec") == {}

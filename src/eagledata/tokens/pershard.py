@@ -1,7 +1,8 @@
 """The tokens stage as one job per shard (the Snakemake rules of rules/tokens.smk), with the same
 samples, verdicts and shard files as :func:`eagledata.tokens.shards.build_token_shards`.
 
-Steps, each a job, under ``results/{dataset}/tokens.work/``:
+Steps under ``results/{dataset}/tokens.work/``, in three jobs: the plan, one reconstruction per
+shard, and steps 3-5 together (:func:`learn_and_judge`, the ``tokens`` rule):
 
 1. :func:`plan_shards` (a checkpoint): streams the responses' ids (every record checked, as the
    one-job stage checks them), cuts them by the stable rule (:func:`~eagledata.tokens.shards.shard_groups`)
@@ -14,27 +15,28 @@ Steps, each a job, under ``results/{dataset}/tokens.work/``:
 2. :func:`reconstruct_shard` (per shard, the heavy one): the slice's samples -> ``parts/{key}.parquet``
    (ids and everything verdicts are computed from) + ``parts/{key}.summary.json`` (a few hundred bytes
    of counters: :mod:`eagledata.tokens.summaries`).
-3. :func:`learn_summaries` (dataset): the summaries only -> ``learned.json`` (count conventions,
+3. :func:`learn_summaries`: the summaries only -> ``learned.json`` (count conventions,
    reasoning-count reliability, prompt variants).
-4. :func:`learn_repairs` (dataset): which repair each provider is proven to apply (round 1 of the
-   repair search) over the samples that need one, one shard's part at a time -> ``conventions.json``.
-   It reads the parts named by the plan; they are upstream of ``learned.json`` (written by the jobs
-   that wrote its summaries), so they are not declared again: a dataset-level job with one input per
-   shard whose output every shard job reads would cost Snakemake's DAG building N^2.
-5. :func:`judge_shard` (per shard, cheap): verdicts, repairs, policy -> the final shard, content-named,
-   in ``tokens.store`` (left untouched when its content exists already) + ``judged/{key}.json``.
-6. :func:`gather_manifest` (dataset): ``tokens/manifest.json`` and hard links, as the one-job stage.
+4. :func:`learn_repairs`: which repair each provider is proven to apply (round 1 of the repair
+   search) over the samples that need one, one shard's part at a time -> ``conventions.json``.
+5. :func:`judge_and_gather` (cheap per shard): each shard's verdicts, repairs and policy
+   column under the learned conventions (:func:`judge_shard`, one part in memory at a time) -> the
+   final shard, content-named, in ``tokens.store`` (left untouched when its content exists already),
+   then ``tokens/manifest.json`` and hard links, as the one-job stage. Judging is a few hundredths of
+   a second per shard, less than a job's start (about a second), so steps 3-5 are one job rather than
+   one per shard: the per-shard judge jobs this replaced cost half of the stage's time.
 
 No job holds more than one shard's samples: the plan holds ids and byte offsets, learning holds
 counters. A new response rewrites one slice (two when it starts a shard), so one reconstruction job
-reruns; when it changes what is learned, every judge job reruns (a shard whose verdicts did not change
-keeps its file).
+reruns, then the dataset's learning and judging jobs (a shard whose verdicts did not change keeps its
+file, so nothing downstream of it reruns).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import resource
 from array import array
@@ -55,6 +57,7 @@ from eagledata.tokens.shards import (PASS1_SCHEMA, MAX_SHARD_FACTOR, Judge, Resp
                                      Learned, prune_shards, publish_shard, reconstruct_sample, transformations_seen, with_verdicts,
                                      shard_groups, shard_name)
 
+log = logging.getLogger(__name__)
 PLAN_VERSION = 1
 SHARDING_RULE = "ids sorted; a shard starts at each id with int(sha256(id), 16) % shard_size == 0"
 #: Columns a part carries beyond the final shard's first columns (dropped when judged).
@@ -85,7 +88,7 @@ def shard_key(first_id: str) -> str:
 def work_paths(work_dir: str | Path, key: str) -> dict[str, Path]:
     w = Path(work_dir)
     return {"slice": w / "slices" / f"{key}.tsv", "part": w / "parts" / f"{key}.parquet",
-            "summary": w / "parts" / f"{key}.summary.json", "judged": w / "judged" / f"{key}.json"}
+            "summary": w / "parts" / f"{key}.summary.json"}
 
 
 # 1. the plan -------------------------------------------------------------------------------------
@@ -241,12 +244,12 @@ def _repairable(j) -> bool:
     return repairable(j.reasons)
 
 
-# 5. judging ----------------------------------------------------------------------------------------
+# 5-6. judging and the manifest (one dataset job) ----------------------------------------------------
 
-def judge_shard(part_path: str | Path, conventions_path: str | Path, store_dir: str | Path, out_path: str | Path,
-                tokenizer: Tokenizer, family: ModelFamily, policy: Any = "default") -> dict[str, Any]:
-    """One shard's final file (in ``store_dir``, untouched when its content exists) and its entry."""
-    learned = json.loads(Path(conventions_path).read_text(encoding="utf-8"))
+def judge_shard(part_path: str | Path, learned: Mapping[str, Any], store_dir: str | Path, tokenizer: Tokenizer,
+                family: ModelFamily, policy: Any = "default") -> dict[str, Any]:
+    """One shard's final file (in ``store_dir``, untouched when its content exists) and its manifest
+    entry, under the dataset's ``learned`` conventions (``conventions.json``)."""
     part = pl.read_parquet(part_path)
     stats = part_stats(part)
     judge = Judge(learned["conventions"], learned["reliability"], tokenizer, family)
@@ -273,24 +276,46 @@ def judge_shard(part_path: str | Path, conventions_path: str | Path, store_dir: 
     finally:
         tmp.unlink(missing_ok=True)
     ids = df["id"]
-    entry = {"file": dest.name, "rows": df.height, "sha256": sha, "first_id": ids[0] if df.height else None,
-             "last_id": ids[-1] if df.height else None, "kept": kept,
-             "transformations_seen": transformations_seen(stats, judged)}
-    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out_path, entry)
-    return entry
+    return {"file": dest.name, "rows": df.height, "sha256": sha, "first_id": ids[0] if df.height else None,
+            "last_id": ids[-1] if df.height else None, "kept": kept,
+            "transformations_seen": transformations_seen(stats, judged)}
 
 
-# 6. the manifest -----------------------------------------------------------------------------------
-
-def gather_manifest(plan_path: str | Path, judged_paths: Sequence[str | Path], conventions_path: str | Path,
-                    out_dir: str | Path, store_dir: str | Path, tokenizer: Tokenizer, family: ModelFamily,
-                    policy: Any = "default") -> dict[str, Any]:
-    """``out_dir/manifest.json`` (as the one-job stage writes it) and a hard link per shard; the store
-    keeps exactly the manifest's shards."""
+def judge_and_gather(plan_path: str | Path, part_paths: Sequence[str | Path], conventions_path: str | Path,
+                     out_dir: str | Path, store_dir: str | Path, tokenizer: Tokenizer, family: ModelFamily,
+                     policy: Any = "default") -> dict[str, Any]:
+    """Judge every shard in turn (one in memory at a time; ``part_paths`` in the plan's order) and write
+    ``out_dir/manifest.json`` (as the one-job stage writes it) and a hard link per shard; the store
+    keeps exactly the manifest's shards. Returns the manifest."""
     plan = read_plan(plan_path)
+    keys = [s["key"] for s in plan["shards"]]
+    if [Path(p).name.split(".")[0] for p in part_paths] != keys:
+        raise ValueError(f"{plan_path}: the parts given are not the plan's shards in its order")
     learned = json.loads(Path(conventions_path).read_text(encoding="utf-8"))
-    entries = [json.loads(Path(p).read_text(encoding="utf-8")) for p in judged_paths]
+    entries = [judge_shard(p, learned, store_dir, tokenizer, family, policy) for p in part_paths]
+    log.info("%d shards judged: %d written, %d unchanged (left untouched)", len(entries),
+             sum(not e["kept"] for e in entries), sum(e["kept"] for e in entries))
+    return _write_manifest(plan, learned, entries, out_dir, store_dir, tokenizer, family, policy)
+
+
+def learn_and_judge(plan_path: str | Path, work_dir: str | Path, out_dir: str | Path, store_dir: str | Path,
+                    tokenizer: Tokenizer, family: ModelFamily, policy: Any = "default") -> dict[str, Any]:
+    """Steps 3-5 in one job, after every shard's reconstruction: ``learned.json`` and
+    ``conventions.json`` in ``work_dir`` (kept for inspection), then the judged shards and the
+    manifest. Returns the manifest."""
+    w = Path(work_dir)
+    paths = [work_paths(w, k) for k in plan_keys(plan_path)]
+    learned = learn_summaries([p["summary"] for p in paths], w / "learned.json")
+    log.info("%d samples in %d shard summaries; conventions: %s", learned["rows"], len(paths), learned["conventions"])
+    repairs = learn_repairs(w / "learned.json", [p["part"] for p in paths], w / "conventions.json", tokenizer, family)
+    log.info("repairs proven per provider: %s", repairs["repairs"])
+    return judge_and_gather(plan_path, [p["part"] for p in paths], w / "conventions.json", out_dir, store_dir,
+                            tokenizer, family, policy)
+
+
+def _write_manifest(plan: Mapping[str, Any], learned: dict[str, Any], entries: Sequence[Mapping[str, Any]],
+                    out_dir: str | Path, store_dir: str | Path, tokenizer: Tokenizer, family: ModelFamily,
+                    policy: Any) -> dict[str, Any]:
     out, store = Path(out_dir), Path(store_dir)
     out.mkdir(parents=True, exist_ok=True)
     conventions = learned["conventions"]
@@ -329,5 +354,5 @@ def gather_manifest(plan_path: str | Path, judged_paths: Sequence[str | Path], c
     return manifest
 
 
-__all__ = ["PART_SCHEMA", "gather_manifest", "id_index", "iter_slice", "peak_memory_mb", "judge_shard", "learn_repairs", "learn_summaries",
-           "part_stats", "plan_keys", "plan_shards", "read_plan", "reconstruct_shard", "shard_key", "work_paths"]
+__all__ = ["PART_SCHEMA", "id_index", "iter_slice", "judge_and_gather", "judge_shard", "learn_and_judge", "learn_repairs", "learn_summaries",
+           "part_stats", "peak_memory_mb", "plan_keys", "plan_shards", "read_plan", "reconstruct_shard", "shard_key", "work_paths"]
