@@ -33,8 +33,12 @@ def run_pershard(src: Path, work: Path, tok, fam, shard_size: int, dataset: str 
 
 
 @needs_recorded
-@pytest.mark.parametrize("shard_size", [1, 7, 100])
-def test_per_shard_stage_gives_the_one_job_stage_results_on_recorded_data(tmp_path, shard_size):
+@pytest.mark.parametrize("shard_size,batch_rows", [(1, None), (7, None), (100, None), (100, 5)])
+def test_per_shard_stage_gives_the_one_job_stage_results_on_recorded_data(tmp_path, monkeypatch, shard_size, batch_rows):
+    """Every column of every sample and the shard files' bytes, also when the per-shard jobs work in
+    batches of 5 rows."""
+    if batch_rows:
+        monkeypatch.setattr(ps, "BATCH_ROWS", batch_rows)
     fam = get_family("kimi-k2")
     tok = load_tokenizer(K2, fam)
     old = build_token_shards(RECORDED, tmp_path / "old", tok, fam, "ds", shard_size=shard_size,
@@ -88,8 +92,29 @@ def test_slices_of_unchanged_shards_keep_bytes_and_mtime(tmp_path):
 
 
 @needs_recorded
-def test_plan_refuses_a_duplicate_id_as_the_one_job_stage_does(tmp_path):
-    """The plan's compact index (no object per record) names the line where an id first repeats."""
+def test_plan_sorted_in_runs_on_disk_is_the_plan_sorted_in_memory(tmp_path, monkeypatch):
+    """Ids sorted in runs of 7 on disk and merged give the same plan and slices, byte for byte, as one
+    sort in memory, and leave no run file behind."""
+    records = _records(200)
+    src = tmp_path / "responses.jsonl"
+    _write(src, records[::-1])
+    one = ps.plan_shards(src, tmp_path / "one.json", tmp_path / "one" / "slices", "ds", 10)
+    monkeypatch.setattr(ps, "RUN_ROWS", 7)
+    runs = ps.plan_shards(src, tmp_path / "runs.json", tmp_path / "runs" / "slices", "ds", 10)
+    assert runs == one and len(one["shards"]) > 10 and one["rows"] == 200
+    assert sum(s["rows"] for s in one["shards"]) == 200
+    a, b = sorted((tmp_path / "one" / "slices").iterdir()), sorted((tmp_path / "runs" / "slices").iterdir())
+    assert [p.name for p in a] == [p.name for p in b] and all(x.read_bytes() == y.read_bytes() for x, y in zip(a, b))
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["slices"]
+
+
+@needs_recorded
+@pytest.mark.parametrize("run_rows", [None, 7])
+def test_plan_refuses_a_duplicate_id_as_the_one_job_stage_does(tmp_path, monkeypatch, run_rows):
+    """The plan (ids sorted in memory, or in runs on disk) names the line where an id first repeats,
+    before any slice is written."""
+    if run_rows:
+        monkeypatch.setattr(ps, "RUN_ROWS", run_rows)
     records = _records(40)
     records[25]["id"], records[31]["id"], records[33]["id"] = "rec-00007", "rec-00002", "rec-00007"
     src = tmp_path / "responses.jsonl"
@@ -100,6 +125,7 @@ def test_plan_refuses_a_duplicate_id_as_the_one_job_stage_does(tmp_path):
     with pytest.raises(ps.ResponsesFileError) as one_job:
         build_token_shards(src, tmp_path / "old", load_tokenizer(K2, fam), fam, "ds", shard_size=10)
     assert str(planned.value) == str(one_job.value) == f"{src}:26: field 'id': duplicate id 'rec-00007'"
+    assert not (tmp_path / "slices").exists() or not any((tmp_path / "slices").iterdir())
 
 
 @needs_recorded

@@ -15,7 +15,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from eagledata.errors import InputError
 
@@ -103,13 +103,25 @@ def iter_json_lines(path: str | Path, error: type[Exception], what: str = "file"
 
     Raises ``error`` for an unreadable file, a line that is not UTF-8 or not JSON, and (with
     ``objects_only``) a line whose value is not a JSON object."""
+    for lineno, _, where, value in iter_json_lines_at(path, error, what, objects_only):
+        yield lineno, where, value
+
+
+def iter_json_lines_at(path: str | Path, error: type[Exception], what: str = "file", objects_only: bool = True,
+                       on_bytes: Callable[[bytes], Any] | None = None) -> Iterator[tuple[int, int, str, Any]]:
+    """:func:`iter_json_lines` with each line's byte offset: ``(line number, offset, "FILE:LINE",
+    value)``, in one read of the file; ``on_bytes`` (e.g. a hash's ``update``) sees every line's bytes."""
     path = Path(path)
     try:
         fh = open(path, "rb")
     except OSError as exc:
         raise error(f"{path}: cannot read {what}: {exc.strerror or exc}") from None
+    pos = 0
     with fh:
         for lineno, raw in enumerate(fh, 1):
+            offset, pos = pos, pos + len(raw)
+            if on_bytes is not None:
+                on_bytes(raw)
             where = f"{path}:{lineno}"
             try:
                 line = raw.decode("utf-8")
@@ -124,7 +136,7 @@ def iter_json_lines(path: str | Path, error: type[Exception], what: str = "file"
                 raise error(f"{where}:(json): invalid JSON: {exc.msg} at {error_column(text, exc.pos)}") from None
             if objects_only and not isinstance(value, dict):
                 raise error(f"{where}: a line must be a JSON object, got {type(value).__name__}")
-            yield lineno, where, value
+            yield lineno, offset, where, value
 
 
 def error_column(text: str, pos: int) -> str:

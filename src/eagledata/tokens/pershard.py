@@ -26,8 +26,9 @@ shard, and steps 3-5 together (:func:`learn_and_judge`, the ``tokens`` rule):
    a second per shard, less than a job's start (about a second), so steps 3-5 are one job rather than
    one per shard: the per-shard judge jobs this replaced cost half of the stage's time.
 
-No job holds more than one shard's samples: the plan holds ids and byte offsets, learning holds
-counters. A new response rewrites one slice (two when it starts a shard), so one reconstruction job
+No job holds more than one shard's samples, and none holds a dataset-sized structure: the plan sorts
+the ids in runs of :data:`RUN_ROWS` on disk and merges them, learning holds counters, and the
+per-shard steps turn :data:`BATCH_ROWS` rows at a time into Python objects. A new response rewrites one slice (two when it starts a shard), so one reconstruction job
 reruns, then the dataset's learning and judging jobs (a shard whose verdicts did not change keeps its
 file, so nothing downstream of it reruns).
 """
@@ -35,17 +36,18 @@ file, so nothing downstream of it reruns).
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import logging
 import os
 import resource
-from array import array
+import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 import polars as pl
 
-from eagledata.io import atomic_path, atomic_write_json, sha256_file
+from eagledata.io import atomic_path, atomic_write_json, iter_json_lines_at, sha256_file
 from eagledata.text.families import ModelFamily
 from eagledata.text.tokenizer import Tokenizer
 from eagledata.tokens.samples import record_id
@@ -53,7 +55,7 @@ from eagledata.tokens import summaries
 from eagledata.tokens.planfile import plan_keys, read_plan
 from eagledata.tokens.checks import SampleStats, repairable
 from eagledata.tokens.policy import resolve_policy
-from eagledata.tokens.shards import (PASS1_SCHEMA, MAX_SHARD_FACTOR, Judge, ResponsesFileError, checked_record, iter_records,
+from eagledata.tokens.shards import (PASS1_SCHEMA, MAX_SHARD_FACTOR, Judge, ResponsesFileError, checked_record, is_boundary_id,
                                      Learned, prune_shards, publish_shard, reconstruct_sample, transformations_seen, with_verdicts,
                                      shard_groups, shard_name)
 
@@ -93,37 +95,42 @@ def work_paths(work_dir: str | Path, key: str) -> dict[str, Path]:
 
 # 1. the plan -------------------------------------------------------------------------------------
 
+#: Ids sorted in memory at a time; more are sorted in runs on disk and merged (the plan's memory does
+#: not grow with the dataset).
+RUN_ROWS = 16384
+
+
 def plan_shards(responses_path: str | Path, plan_path: str | Path, slices_dir: str | Path, dataset: str,
                 shard_size: int) -> dict[str, Any]:
-    """Write the plan and the slices (see the module docstring); return the plan."""
-    ids, offsets, order = id_index(responses_path, dataset)
-    groups = [g for g in shard_groups(ids, shard_size) if g]  # consecutive runs of ``order``
+    """Write the plan and the slices (see the module docstring); return the plan. Memory does not grow
+    with the dataset: the ids are sorted in runs of :data:`RUN_ROWS` on disk and merged, twice (the
+    first merge refuses a duplicate id before any slice is written, and cuts the shards)."""
+    if shard_size < 1:
+        raise ResponsesFileError(f"tokens.shard_size must be >= 1, got {shard_size}")
     slices = Path(slices_dir)
     slices.mkdir(parents=True, exist_ok=True)
-    shards, written, keys, next_row = [], 0, set(), 0
-    digest = hashlib.sha256()
-    with open(responses_path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-        for group in groups:
-            key = shard_key(group[0])
-            if key in keys:
-                raise ResponsesFileError(f"{responses_path}: two shards share the key {key} (first id {group[0]!r})")
-            keys.add(key)
-            lines = []
-            for sid in group:
-                i = order[next_row]
-                next_row += 1
-                fh.seek(offsets[i])
-                lines.append(json.dumps(sid, ensure_ascii=False).encode("utf-8") + b"\t"
-                             + fh.readline().rstrip(b"\r\n") + b"\n")
-            written += _write_if_changed(slices / f"{key}.tsv", b"".join(lines))
-            shards.append({"key": key, "rows": len(group), "first_id": group[0], "last_id": group[-1]})
+    with tempfile.TemporaryDirectory(prefix=".runs-", dir=slices.parent) as tmp:
+        runs, rows, digest = _sorted_id_runs(responses_path, dataset, Path(tmp))
+        cuts = _shard_cuts(_merged(runs), responses_path, shard_size)
+        shards, written, keys = [], 0, set()
+        with open(responses_path, "rb") as fh:
+            for first_id, n, group in _grouped(_merged(runs), cuts):
+                key = shard_key(first_id)
+                if key in keys:
+                    raise ResponsesFileError(f"{responses_path}: two shards share the key {key} (first id {first_id!r})")
+                keys.add(key)
+                lines = []
+                for sid, _, offset in group:
+                    fh.seek(offset)
+                    lines.append(json.dumps(sid, ensure_ascii=False).encode("utf-8") + b"\t"
+                                 + fh.readline().rstrip(b"\r\n") + b"\n")
+                written += _write_if_changed(slices / f"{key}.tsv", b"".join(lines))
+                shards.append({"key": key, "rows": n, "first_id": first_id, "last_id": sid})
     for p in slices.iterdir():
         if p.suffix == ".tsv" and p.stem not in keys:
             p.unlink()
     plan = {"version": PLAN_VERSION, "dataset": dataset, "source": str(responses_path),
-            "source_sha256": digest.hexdigest(), "rows": len(ids),
+            "source_sha256": digest, "rows": rows,
             "sharding": {"rule": SHARDING_RULE, "shard_size": shard_size, "max_rows": MAX_SHARD_FACTOR * shard_size,
                          "key": "sha256(first id)[:16]"},
             "shards": shards}
@@ -131,28 +138,75 @@ def plan_shards(responses_path: str | Path, plan_path: str | Path, slices_dir: s
     return {**plan, "slices_written": written}
 
 
-def id_index(responses_path: str | Path, dataset: str) -> tuple[list[str], array, list[int]]:
-    """Every record's id (each record checked as the one-job stage checks it), its line's byte offset,
-    both in file order, and the rows in id order. Compact: a string, 8 bytes and a list slot per
-    record, no object per record. Duplicate ids are refused naming the line where the first one
-    repeats (as :func:`~eagledata.tokens.shards.index_records` does)."""
-    ids: list[str] = []
-    linenos, offsets, starts, pos = array("l"), array("q"), array("q"), 0
-    with open(responses_path, "rb") as fh:
-        for raw in fh:
-            starts.append(pos)
-            pos += len(raw)
-    for lineno, rec in iter_records(responses_path):
-        ids.append(record_id(rec, f"{dataset}-{lineno:06d}"))
-        linenos.append(lineno)
-        offsets.append(starts[lineno - 1])
-    del starts
-    order = sorted(range(len(ids)), key=ids.__getitem__)
-    repeats = [max(linenos[a], linenos[b]) for a, b in zip(order, order[1:]) if ids[a] == ids[b]]
+_Entry = tuple[str, int, int]  # (id, line number, byte offset of the line)
+
+
+def _sorted_id_runs(responses_path: str | Path, dataset: str, tmp: Path) -> tuple[list, int, str]:
+    """One read of the responses (every record checked as the one-job stage checks it): the runs of
+    id-sorted entries (a list in memory when there is one, else files in ``tmp``), the number of
+    records and the file's sha256."""
+    digest = hashlib.sha256()
+    runs: list = []
+    buf: list[_Entry] = []
+    rows = 0
+    for lineno, offset, where, rec in iter_json_lines_at(responses_path, ResponsesFileError, "responses file",
+                                                          on_bytes=digest.update):
+        buf.append((record_id(checked_record(rec, where), f"{dataset}-{lineno:06d}"), lineno, offset))
+        rows += 1
+        if len(buf) >= RUN_ROWS:
+            runs.append(_spill(sorted(buf), tmp / f"run-{len(runs):05d}.tsv"))
+            buf = []
+    if buf or not runs:
+        runs.append(sorted(buf) if not runs else _spill(sorted(buf), tmp / f"run-{len(runs):05d}.tsv"))
+    return runs, rows, digest.hexdigest()
+
+
+def _spill(entries: list[_Entry], path: Path) -> Path:
+    with open(path, "w", encoding="utf-8") as fh:
+        for sid, lineno, offset in entries:
+            fh.write(f"{json.dumps(sid)}\t{lineno}\t{offset}\n")
+    return path
+
+
+def _read_run(run) -> Iterator[_Entry]:
+    if isinstance(run, list):
+        yield from run
+        return
+    with open(run, encoding="utf-8") as fh:
+        for line in fh:
+            sid, lineno, offset = line.split("\t")
+            yield json.loads(sid), int(lineno), int(offset)
+
+
+def _merged(runs: list) -> Iterator[_Entry]:
+    return heapq.merge(*(_read_run(r) for r in runs))
+
+
+def _shard_cuts(entries: Iterator[_Entry], responses_path: str | Path, shard_size: int) -> list[int]:
+    """The rows of each shard (:func:`~eagledata.tokens.shards.shard_groups`'s rule, streamed); a
+    duplicate id is refused naming the line where it first repeats."""
+    cap = MAX_SHARD_FACTOR * shard_size
+    cuts, cur, prev = [], 0, None
+    repeats: list[tuple[int, str]] = []
+    for sid, lineno, _ in entries:
+        if prev is not None and sid == prev[0]:
+            repeats.append((max(lineno, prev[1]), sid))
+        if cur and (cur >= cap or is_boundary_id(sid, shard_size)):
+            cuts.append(cur)
+            cur = 0
+        cur += 1
+        prev = (sid, lineno)
     if repeats:
-        first = min(repeats)
-        raise ResponsesFileError(f"{responses_path}:{first}: field 'id': duplicate id {ids[linenos.index(first)]!r}")
-    return ids, offsets, order
+        line, sid = min(repeats)
+        raise ResponsesFileError(f"{responses_path}:{line}: field 'id': duplicate id {sid!r}")
+    return cuts + [cur] if cur else cuts
+
+
+def _grouped(entries: Iterator[_Entry], cuts: Sequence[int]) -> Iterator[tuple[str, int, list[_Entry]]]:
+    """(first id, rows, entries) of each shard, ``cuts`` giving the rows."""
+    for n in cuts:
+        group = [next(entries) for _ in range(n)]
+        yield group[0][0], n, group
 
 
 def _write_if_changed(path: Path, data: bytes) -> int:
@@ -173,9 +227,15 @@ def iter_slice(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
 
 # 2. reconstruction ---------------------------------------------------------------------------------
 
+#: Rows a per-shard job holds as Python objects at a time: a job's memory follows this, not the size of
+#: its shard (a shard's columns are held compactly, in polars, between batches).
+BATCH_ROWS = 256
+
+
 def reconstruct_shard(slice_path: str | Path, part_path: str | Path, summary_path: str | Path,
                       tokenizer: Tokenizer, family: ModelFamily, template: str | None = None) -> dict[str, Any]:
     """One shard's samples -> its part and summary; returns the summary."""
+    frames: list[pl.DataFrame] = []
     columns: dict[str, list] = {name: [] for name in PART_SCHEMA}  # built column-wise: one Series each
     stats = []
     for sid, rec in iter_slice(slice_path):
@@ -185,10 +245,14 @@ def reconstruct_shard(slice_path: str | Path, part_path: str | Path, summary_pat
         for name, values in columns.items():
             values.append(row[name])
         stats.append(st)
+        if len(stats) % BATCH_ROWS == 0:
+            frames.append(pl.DataFrame(columns, schema=PART_SCHEMA))
+            columns = {name: [] for name in PART_SCHEMA}
+    frames.append(pl.DataFrame(columns, schema=PART_SCHEMA))
     summary = summaries.summarize(stats)
     Path(part_path).parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(part_path) as tmp:
-        pl.DataFrame(columns, schema=PART_SCHEMA).write_parquet(tmp, compression="zstd")
+        pl.concat(frames).write_parquet(tmp, compression="zstd")
     Path(summary_path).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(summary_path, summary)
     return summary
@@ -249,19 +313,27 @@ def _repairable(j) -> bool:
 def judge_shard(part_path: str | Path, learned: Mapping[str, Any], store_dir: str | Path, tokenizer: Tokenizer,
                 family: ModelFamily, policy: Any = "default") -> dict[str, Any]:
     """One shard's final file (in ``store_dir``, untouched when its content exists) and its manifest
-    entry, under the dataset's ``learned`` conventions (``conventions.json``)."""
-    part = pl.read_parquet(part_path)
-    stats = part_stats(part)
+    entry, under the dataset's ``learned`` conventions (``conventions.json``). Judged
+    :data:`BATCH_ROWS` rows at a time (every check is per sample), written in one piece."""
     judge = Judge(learned["conventions"], learned["reliability"], tokenizer, family)
-    judged = judge.first_verdicts(stats)
     known = {p: set(ts) for p, ts in learned["repairs"].items()}
+    admitted = resolve_policy(policy)
+    part = pl.read_parquet(part_path)
+    frames, seen = [], {}
+    for start in range(0, max(part.height, 1), BATCH_ROWS):
+        chunk = part.slice(start, BATCH_ROWS)
+        stats = part_stats(chunk)
+        judged = judge.first_verdicts(stats)
 
-    def rows():
-        return enumerate(part.select("segments", "finish_reason").iter_rows())
+        def rows():
+            return enumerate(chunk.select("segments", "finish_reason").iter_rows())
 
-    judge.apply_repairs(stats, judged, rows(), known)
-    judge.whitespace_check(stats, judged, rows(), known)
-    df = with_verdicts(part.drop(list(_STATS_SCHEMA)), stats, judged, 0, learned["variants"], resolve_policy(policy))
+        judge.apply_repairs(stats, judged, rows(), known)
+        judge.whitespace_check(stats, judged, rows(), known)
+        frames.append(with_verdicts(chunk.drop(list(_STATS_SCHEMA)), stats, judged, 0, learned["variants"], admitted))
+        add_counts(seen, transformations_seen(stats, judged))
+    del part
+    df = pl.concat(frames).rechunk()
     store = Path(store_dir)
     store.mkdir(parents=True, exist_ok=True)
     tmp = store / f".judge-{Path(part_path).stem}.parquet.tmp-{os.getpid()}"
@@ -278,7 +350,7 @@ def judge_shard(part_path: str | Path, learned: Mapping[str, Any], store_dir: st
     ids = df["id"]
     return {"file": dest.name, "rows": df.height, "sha256": sha, "first_id": ids[0] if df.height else None,
             "last_id": ids[-1] if df.height else None, "kept": kept,
-            "transformations_seen": transformations_seen(stats, judged)}
+            "transformations_seen": seen}
 
 
 def judge_and_gather(plan_path: str | Path, part_paths: Sequence[str | Path], conventions_path: str | Path,
@@ -313,6 +385,14 @@ def learn_and_judge(plan_path: str | Path, work_dir: str | Path, out_dir: str | 
                             tokenizer, family, policy)
 
 
+def add_counts(into: dict[str, dict[str, int]], counts: Mapping[str, Mapping[str, int]]) -> None:
+    """Add per-provider code counts (``transformations_seen``) into ``into``."""
+    for provider, by_code in counts.items():
+        c = into.setdefault(provider, {})
+        for code, n in by_code.items():
+            c[code] = c.get(code, 0) + n
+
+
 def _write_manifest(plan: Mapping[str, Any], learned: dict[str, Any], entries: Sequence[Mapping[str, Any]],
                     out_dir: str | Path, store_dir: str | Path, tokenizer: Tokenizer, family: ModelFamily,
                     policy: Any) -> dict[str, Any]:
@@ -321,10 +401,7 @@ def _write_manifest(plan: Mapping[str, Any], learned: dict[str, Any], entries: S
     conventions = learned["conventions"]
     seen: dict[str, dict[str, int]] = {}
     for e in entries:
-        for provider, counts in e["transformations_seen"].items():
-            c = seen.setdefault(provider, {})
-            for code, n in counts.items():
-                c[code] = c.get(code, 0) + n
+        add_counts(seen, e["transformations_seen"])
     report = Learned(conventions, learned["reliability"], learned["variants"])
     for provider, c in seen.items():
         conventions[provider]["transformations_seen"] = c
@@ -354,5 +431,5 @@ def _write_manifest(plan: Mapping[str, Any], learned: dict[str, Any], entries: S
     return manifest
 
 
-__all__ = ["PART_SCHEMA", "id_index", "iter_slice", "judge_and_gather", "judge_shard", "learn_and_judge", "learn_repairs", "learn_summaries",
+__all__ = ["PART_SCHEMA", "iter_slice", "judge_and_gather", "judge_shard", "learn_and_judge", "learn_repairs", "learn_summaries",
            "part_stats", "peak_memory_mb", "plan_keys", "plan_shards", "read_plan", "reconstruct_shard", "shard_key", "work_paths"]
