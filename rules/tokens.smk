@@ -61,6 +61,8 @@ rule tokens:
         code=code_of("scripts/tokens.py"),
     output:
         directory(f"{RESULTS}/{{dataset}}/tokens"),
+    # judging runs in this many processes (one shard each at a time) when there are enough shards
+    threads: min(8, workflow.cores)
     params:
         # upstream of the parts; not an input, so a plan rewritten with the same shards reruns nothing
         plan=f"{TOKENS_WORK}/plan.json",

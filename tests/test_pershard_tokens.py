@@ -22,28 +22,30 @@ K2 = SHARED / "tokenizers" / "kimi-k2-instruct"
 needs_recorded = pytest.mark.skipif(not (RECORDED.exists() and K2.exists()), reason="needs ../shared recorded data and K2 tokenizer")
 
 
-def run_pershard(src: Path, work: Path, tok, fam, shard_size: int, dataset: str = "ds") -> dict:
+def run_pershard(src: Path, work: Path, tok, fam, shard_size: int, dataset: str = "ds", workers: int = 1) -> dict:
     """Every step of the per-shard stage in turn, as the rules run them."""
     plan = ps.plan_shards(src, work / "plan.json", work / "slices", dataset, shard_size)
     keys = [s["key"] for s in plan["shards"]]
     paths = {k: ps.work_paths(work, k) for k in keys}
     for k in keys:
         ps.reconstruct_shard(paths[k]["slice"], paths[k]["part"], paths[k]["summary"], tok, fam)
-    return ps.learn_and_judge(work / "plan.json", work, work.parent / "tokens", work.parent / "store", tok, fam)
+    return ps.learn_and_judge(work / "plan.json", work, work.parent / "tokens", work.parent / "store", tok, fam,
+                              workers=workers)
 
 
 @needs_recorded
-@pytest.mark.parametrize("shard_size,batch_rows", [(1, None), (7, None), (100, None), (100, 5)])
-def test_per_shard_stage_gives_the_one_job_stage_results_on_recorded_data(tmp_path, monkeypatch, shard_size, batch_rows):
-    """Every column of every sample and the shard files' bytes, also when the per-shard jobs work in
-    batches of 5 rows."""
+@pytest.mark.parametrize("shard_size,batch_rows,workers", [(1, None, 1), (7, None, 2), (100, None, 1), (100, 5, 1)])
+def test_per_shard_stage_gives_the_one_job_stage_results_on_recorded_data(tmp_path, monkeypatch, shard_size, batch_rows,
+                                                                          workers):
+    """Every column of every sample and the shard files' bytes, also when the per-shard steps work in
+    batches of 5 rows, and when two spawned processes judge the shards."""
     if batch_rows:
         monkeypatch.setattr(ps, "BATCH_ROWS", batch_rows)
     fam = get_family("kimi-k2")
     tok = load_tokenizer(K2, fam)
     old = build_token_shards(RECORDED, tmp_path / "old", tok, fam, "ds", shard_size=shard_size,
                              store_dir=tmp_path / "old.store")
-    new = run_pershard(RECORDED, tmp_path / "work", tok, fam, shard_size)
+    new = run_pershard(RECORDED, tmp_path / "work", tok, fam, shard_size, workers=workers)
     a, b = read_shards(tmp_path / "old"), read_shards(tmp_path / "tokens")
     assert a.height == b.height == 272
     assert a.equals(b)  # every column of every sample: ids, verdicts, reasons, counts, repairs
@@ -199,6 +201,7 @@ def test_one_new_response_rebuilds_only_its_shard(tmp_path):
     assert jobs.get("tokens") == 1 and "validate" in jobs, jobs
     assert set(jobs) == {"token_shard", "tokens", "validate", "rec"}, jobs  # "rec": the target rule
     snakemake(work, "rec")
+    assert "judged in 2 process(es)" in (work / "logs/rec/tokens.log").read_text()  # the spawned workers
     after = {p.name: p.stat().st_mtime_ns for p in parts.glob("*.parquet")}
     assert sum(after[k] != before.get(k) for k in after) == 1
     kept = {k: t for k, t in ((p.name, p.stat().st_mtime_ns) for p in store.glob("*.parquet")) if stored.get(k) == t}

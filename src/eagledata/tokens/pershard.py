@@ -39,9 +39,11 @@ import hashlib
 import heapq
 import json
 import logging
+import multiprocessing
 import os
 import resource
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -355,23 +357,44 @@ def judge_shard(part_path: str | Path, learned: Mapping[str, Any], store_dir: st
 
 def judge_and_gather(plan_path: str | Path, part_paths: Sequence[str | Path], conventions_path: str | Path,
                      out_dir: str | Path, store_dir: str | Path, tokenizer: Tokenizer, family: ModelFamily,
-                     policy: Any = "default") -> dict[str, Any]:
-    """Judge every shard in turn (one in memory at a time; ``part_paths`` in the plan's order) and write
-    ``out_dir/manifest.json`` (as the one-job stage writes it) and a hard link per shard; the store
-    keeps exactly the manifest's shards. Returns the manifest."""
+                     policy: Any = "default", workers: int = 1) -> dict[str, Any]:
+    """Judge every shard (``part_paths`` in the plan's order; one part in memory per process, in up to
+    ``workers`` processes) and write ``out_dir/manifest.json`` (as the one-job stage writes it) and a
+    hard link per shard; the store keeps exactly the manifest's shards. Returns the manifest."""
     plan = read_plan(plan_path)
     keys = [s["key"] for s in plan["shards"]]
     if [Path(p).name.split(".")[0] for p in part_paths] != keys:
         raise ValueError(f"{plan_path}: the parts given are not the plan's shards in its order")
     learned = json.loads(Path(conventions_path).read_text(encoding="utf-8"))
-    entries = [judge_shard(p, learned, store_dir, tokenizer, family, policy) for p in part_paths]
-    log.info("%d shards judged: %d written, %d unchanged (left untouched)", len(entries),
+    args = (learned, store_dir, tokenizer, family, policy)
+    procs = workers if len(part_paths) >= 2 * workers else 1  # a worker costs about a job's start
+    if procs > 1:
+        # spawned, not forked: forking a process that has run polars' threads can deadlock. A spawned
+        # worker imports the caller's main module again (a Snakemake script guards its body for this).
+        with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=_judge_worker_init, initargs=args) as pool:
+            entries = list(pool.map(_judge_in_worker, part_paths))
+    else:
+        entries = [judge_shard(p, *args) for p in part_paths]
+    log.info("%d shards judged in %d process(es): %d written, %d unchanged (left untouched)", len(entries), procs,
              sum(not e["kept"] for e in entries), sum(e["kept"] for e in entries))
     return _write_manifest(plan, learned, entries, out_dir, store_dir, tokenizer, family, policy)
 
 
+_WORKER_ARGS: tuple = ()
+
+
+def _judge_worker_init(*args: Any) -> None:
+    global _WORKER_ARGS
+    _WORKER_ARGS = args
+
+
+def _judge_in_worker(part_path: str | Path) -> dict[str, Any]:
+    return judge_shard(part_path, *_WORKER_ARGS)
+
+
 def learn_and_judge(plan_path: str | Path, work_dir: str | Path, out_dir: str | Path, store_dir: str | Path,
-                    tokenizer: Tokenizer, family: ModelFamily, policy: Any = "default") -> dict[str, Any]:
+                    tokenizer: Tokenizer, family: ModelFamily, policy: Any = "default", workers: int = 1) -> dict[str, Any]:
     """Steps 3-5 in one job, after every shard's reconstruction: ``learned.json`` and
     ``conventions.json`` in ``work_dir`` (kept for inspection), then the judged shards and the
     manifest. Returns the manifest."""
@@ -382,7 +405,7 @@ def learn_and_judge(plan_path: str | Path, work_dir: str | Path, out_dir: str | 
     repairs = learn_repairs(w / "learned.json", [p["part"] for p in paths], w / "conventions.json", tokenizer, family)
     log.info("repairs proven per provider: %s", repairs["repairs"])
     return judge_and_gather(plan_path, [p["part"] for p in paths], w / "conventions.json", out_dir, store_dir,
-                            tokenizer, family, policy)
+                            tokenizer, family, policy, workers)
 
 
 def add_counts(into: dict[str, dict[str, int]], counts: Mapping[str, Mapping[str, int]]) -> None:
