@@ -11,13 +11,17 @@ Snakemake job runs it) and prints per size:
 With --pipeline, the same datasets go through the workflow's per-shard tokens jobs (rules/tokens.smk)
 in a copy of the repository, imported as datasets: `snakemake --cores 1` then, from scratch,
 `--cores 2`, printing per size the wall time of each, the speed-up, tokens/s per core against raw
-tiktoken (and of the token_shard jobs alone), and peak memory per job of every rule (the peak each job
-logs); then `snakemake -n` when up to date. --dry-shards N
+tiktoken (and of the token_shard jobs alone, with a fit of their seconds over their rows: a job's
+start and the cost per sample), and peak memory per job of every rule (the peak each job logs); then
+`snakemake -n` when up to date. The recorded samples are short (about 145 tokens, prompt and
+completion); --drafter runs the same on drafter-shaped samples (about 2,850 tokens: the recorded
+requests made unique, answered by the stand-in with 2,500-3,500 completion tokens, half streamed),
+the size public K2.5 drafters were trained on, where a job's start weighs what it does in real use. --dry-shards N
 builds a dataset of N shards (shard_size 10), runs the plan and the code stamps, marks every other
 job done (placeholder outputs in dependency order: the DAG does not depend on what a shard holds) and
 times `snakemake -n` and `eagledata plan` on it.
 
-Usage: python benchmarks/tokens_scale.py [--sizes 10000,40000,80000] [--work DIR] [--pipeline [--shard-size 1000]]
+Usage: python benchmarks/tokens_scale.py [--sizes 10000,40000,80000] [--work DIR] [--pipeline [--shard-size 1000] [--drafter]]
        [--dry-shards 2000]
 Needs ../shared (the recorded traffic and the Kimi K2 tokenizer).
 """
@@ -95,6 +99,40 @@ def build_dataset(n: int, dest: Path) -> Path:
     return path
 
 
+DRAFTER = r"""
+import copy, json, sys
+from eagledata.text.families import get_family
+from eagledata.text.tokenizer import load_tokenizer
+from eagledata.standin.server import SimulatorServer
+from eagledata.standin.responses import json_body, sse_stream
+recorded, tok_dir, n, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+fam = get_family("kimi-k2")
+server = SimulatorServer(load_tokenizer(tok_dir, fam), fam, seed=3, content_tokens=(2500, 3500), max_generations=1)
+requests = [json.loads(l)["request"] for l in open(recorded, encoding="utf-8") if l.strip()]
+with open(out, "w", encoding="utf-8") as fh:
+    for i in range(n):
+        body = copy.deepcopy(requests[i % len(requests)])
+        body["max_tokens"] = 8000
+        body["stream"] = i % 2 == 1
+        user = [m for m in body["messages"] if m.get("role") == "user" and isinstance(m.get("content"), str)]
+        if user:
+            user[-1]["content"] += f" (request {i})"
+        g = server.make_generation(body)
+        raw = "".join(f"data: {p}\n\n" for p, _ in sse_stream(g)) if body["stream"] else json_body(g, "")
+        fh.write(json.dumps({"id": f"d{i:07d}", "request": body, "status": 200, "response_raw": raw}) + "\n")
+"""
+
+
+def build_drafter_dataset(n: int, dest: Path) -> Path:
+    """``n`` drafter-shaped records (2,500-3,500 completion tokens each, the size of the samples public
+    K2.5 drafters were trained on: 6B tokens over 2M samples): the recorded requests, each made unique,
+    answered by the OpenRouter stand-in with the real K2 tokenizer (JSON and SSE bodies, billed counts)."""
+    path = dest / f"drafter-{n}.jsonl"
+    if not path.exists():
+        subprocess.run([sys.executable, "-c", DRAFTER, str(RECORDED), str(TOKENIZER), str(n), str(path)], check=True)
+    return path
+
+
 def run(code: str, *args: str) -> dict:
     out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True,
                          env={"OMP_NUM_THREADS": "1", "RAYON_NUM_THREADS": "1", "POLARS_MAX_THREADS": "1",
@@ -152,11 +190,26 @@ def shard_job_seconds(repo: Path, name: str) -> float:
     return total
 
 
-def pipeline(sizes: list[int], work: Path, shard_size: int = 1000, two_cores: bool = True) -> int:
+def job_cost_fit(repo: Path, name: str) -> tuple[float, float]:
+    """Least squares over the token_shard jobs of the last run: seconds = start + per_row * rows (the
+    rows of each shard from plan.json). Returns (start seconds, seconds per row)."""
+    plan = json.loads((repo / f"results/{name}/tokens.work/plan.json").read_text())
+    pts = []
+    for shard in plan["shards"]:
+        with open(repo / "benchmarks/out" / name / "token_shard" / f"{shard['key']}.tsv") as fh:
+            pts.append((shard["rows"], float(next(csv.DictReader(fh, delimiter="\t"))["s"])))
+    n = len(pts)
+    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+    var = sum((x - mx) ** 2 for x, _ in pts)
+    slope = sum((x - mx) * (y - my) for x, y in pts) / var if var else 0.0
+    return my - slope * mx, slope
+
+
+def pipeline(sizes: list[int], work: Path, shard_size: int = 1000, two_cores: bool = True, drafter: bool = False) -> int:
     rows, ratios, speedups = [], [], []
     for n in sizes:
-        path = build_dataset(n, work)
-        name = f"scale{n}"
+        path = build_drafter_dataset(n, work) if drafter else build_dataset(n, work)
+        name = f"{'drafter' if drafter else 'scale'}{n}"
         raw = run(RAW, str(path), str(TOKENIZER), str(min(n, 5000)))
         raw_rate = raw["tokens"] / raw["wall"]
         walls = {}
@@ -170,6 +223,8 @@ def pipeline(sizes: list[int], work: Path, shard_size: int = 1000, two_cores: bo
         dry = smk(repo, "-n", name)
         rate = tokens["tokens"] / walls[1]
         shard_rate = tokens["tokens"] / shard_job_seconds(repo, name)  # the last run's jobs
+        start, per_row = job_cost_fit(repo, name)
+        in_process = raw_rate * per_row / (tokens["tokens"] / manifest["rows"])  # raw time per row / ours
         rows.append((n, rss))
         ratios.append(rate / raw_rate)
         two = f"{walls[2]:.1f}s on 2 cores (speed-up {walls[1] / walls[2]:.2f}x)" if two_cores else "2 cores not run"
@@ -178,7 +233,8 @@ def pipeline(sizes: list[int], work: Path, shard_size: int = 1000, two_cores: bo
         print(f"{n:>7} records, {len(manifest['shards'])} shards: tokens stage {walls[1]:.1f}s on 1 core, "
               f"{two}; {rate / 1e6:.2f}M tokens/s per core "
               f"= {rate / raw_rate:.2f}x raw tiktoken ({raw_rate / 1e6:.2f}M/s; token_shard jobs alone "
-              f"{shard_rate / raw_rate:.2f}x); peak memory per job (MB): "
+              f"{shard_rate / raw_rate:.2f}x; fitted over them: {start:.2f}s to start a job, then "
+              f"{per_row * 1e3:.2f} ms per sample = {1 / in_process:.2f}x raw tiktoken); peak memory per job (MB): "
               + ", ".join(f"{k} {v:.0f}" for k, v in sorted(rss.items())) + f"; dry run {dry:.1f}s", flush=True)
     for rule in sorted(rows[0][1]):
         base = rows[0][1][rule] or 1
@@ -261,6 +317,8 @@ def main() -> int:
     ap.add_argument("--shard-size", type=int, default=1000, help="tokens.shard_size of --pipeline (config default 1000)")
     ap.add_argument("--one-core", action="store_true", help="--pipeline at 1 core only (no speed-up)")
     ap.add_argument("--dry-shards", type=int, help="time the dry run of a dataset of this many shards")
+    ap.add_argument("--drafter", action="store_true", help="--pipeline on drafter-shaped samples (~3,000 completion "
+                    "tokens each, answered by the stand-in) instead of the recorded ones (~145 tokens each)")
     args = ap.parse_args()
     if not RECORDED.exists() or not TOKENIZER.exists():
         print(f"needs {RECORDED} and {TOKENIZER}")
@@ -271,7 +329,7 @@ def main() -> int:
     if args.dry_shards:
         return dry_run_at(args.dry_shards, work)
     if args.pipeline:
-        return pipeline(sizes, work, args.shard_size, not args.one_core)
+        return pipeline(sizes, work, args.shard_size, not args.one_core, args.drafter)
     rows = []
     for n in sizes:
         t0 = time.perf_counter()

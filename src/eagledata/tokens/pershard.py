@@ -49,7 +49,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import polars as pl
 
-from eagledata.io import atomic_path, atomic_write_json, iter_json_lines_at, sha256_file
+from eagledata.io import atomic_path, atomic_write_json, iter_json_lines_at, loads_json, sha256_file
 from eagledata.text.families import ModelFamily
 from eagledata.text.tokenizer import Tokenizer
 from eagledata.tokens.samples import record_id
@@ -121,13 +121,8 @@ def plan_shards(responses_path: str | Path, plan_path: str | Path, slices_dir: s
                 if key in keys:
                     raise ResponsesFileError(f"{responses_path}: two shards share the key {key} (first id {first_id!r})")
                 keys.add(key)
-                lines = []
-                for sid, _, offset in group:
-                    fh.seek(offset)
-                    lines.append(json.dumps(sid, ensure_ascii=False).encode("utf-8") + b"\t"
-                                 + fh.readline().rstrip(b"\r\n") + b"\n")
-                written += _write_if_changed(slices / f"{key}.tsv", b"".join(lines))
-                shards.append({"key": key, "rows": n, "first_id": first_id, "last_id": sid})
+                written += _write_slice(slices / f"{key}.tsv", group, fh)
+                shards.append({"key": key, "rows": n, "first_id": first_id, "last_id": group[-1][0]})
     for p in slices.iterdir():
         if p.suffix == ".tsv" and p.stem not in keys:
             p.unlink()
@@ -211,12 +206,28 @@ def _grouped(entries: Iterator[_Entry], cuts: Sequence[int]) -> Iterator[tuple[s
         yield group[0][0], n, group
 
 
-def _write_if_changed(path: Path, data: bytes) -> int:
-    if path.is_file() and path.stat().st_size == len(data) and path.read_bytes() == data:
-        return 0
-    with atomic_path(path) as tmp:
-        Path(tmp).write_bytes(data)
-    return 1
+def _write_slice(path: Path, group: Sequence[_Entry], responses: Any) -> int:
+    """Write a shard's slice (its records' lines, read from the open ``responses`` at their offsets),
+    streamed; an existing slice with the same bytes is left untouched (bytes and mtime). Returns 1
+    when written, 0 when left."""
+    tmp = path.with_name(f".{path.name}.new-{os.getpid()}")
+    digest, size = hashlib.sha256(), 0
+    try:
+        with open(tmp, "wb") as out:
+            for sid, _, offset in group:
+                responses.seek(offset)
+                line = (json.dumps(sid, ensure_ascii=False).encode("utf-8") + b"\t"
+                        + responses.readline().rstrip(b"\r\n") + b"\n")
+                out.write(line)
+                digest.update(line)
+                size += len(line)
+        if path.is_file() and path.stat().st_size == size and sha256_file(path) == digest.hexdigest():
+            return 0
+        with atomic_path(path) as dest:
+            os.replace(tmp, dest)
+        return 1
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def iter_slice(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -224,7 +235,7 @@ def iter_slice(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
     with open(path, "rb") as fh:
         for n, raw in enumerate(fh, 1):
             sid_json, _, line = raw.rstrip(b"\n").partition(b"\t")
-            yield json.loads(sid_json), checked_record(json.loads(line.decode("utf-8")), f"{path}:{n}")
+            yield loads_json(sid_json), checked_record(loads_json(line), f"{path}:{n}")
 
 
 # 2. reconstruction ---------------------------------------------------------------------------------

@@ -16,6 +16,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from eagledata.io import loads_json
+
 
 @dataclass
 class ToolCall:
@@ -108,7 +110,7 @@ def parse_response(raw: str, status: int = 200) -> ParsedResponse:
 
 
 def _parse_json(raw: str) -> ParsedResponse:
-    body = json.loads(raw)
+    body = loads_json(raw)
     out = ParsedResponse(streamed=False)
     if not isinstance(body, dict):
         out.error = ResponseError("malformed", "body is not a JSON object", "malformed")
@@ -156,7 +158,7 @@ def _sse_chunks(raw: str) -> tuple[list[Any], bool]:
         elif data:
             payloads.append(data)
     try:  # one parse of all chunks is several times faster than one json.loads per chunk
-        chunks = json.loads("[" + ",".join(payloads) + "]")
+        chunks = loads_json("[" + ",".join(payloads) + "]")
         if len(chunks) != len(payloads):
             raise ValueError("chunk count changed")
     except ValueError:
