@@ -1,5 +1,5 @@
 # The tokens stage (eagledata.tokens.pershard): the checkpoint token_plan cuts a dataset's responses
-# into stable shards (keys and per-shard slices of the responses), token_shard reconstructs one shard
+# into stable shards (keys, and per shard a slice: its ids and records' sha256), token_shard reconstructs one shard
 # (the heavy step, one job per shard: --cores N runs N at once), and tokens learns the dataset's
 # conventions from the per-shard summaries, the repairs each provider is proven to apply, judges every
 # shard and gathers them into tokens/ (manifest.json and hard links into tokens.store/). Slices, parts
@@ -38,6 +38,11 @@ rule token_shard:
     output:
         part=f"{TOKENS_WORK}/parts/{{shard}}.parquet",
         summary=f"{TOKENS_WORK}/parts/{{shard}}.summary.json",
+    params:
+        # where the slice's records are in the responses (upstream of the plan; each record is checked
+        # against the slice's sha256, so a slice whose records did not change reruns nothing)
+        where=f"{TOKENS_WORK}/where/{{shard}}.tsv",
+        responses=f"{RESULTS}/{{dataset}}/responses.jsonl",
     log:
         "logs/{dataset}/token_shard/{shard}.log",
     benchmark:

@@ -10,7 +10,8 @@ logging.basicConfig(filename=sm.log[0], level=logging.INFO, format="%(asctime)s 
 try:
     ds = dataset_settings(sm.config, sm.wildcards.dataset)
     tokenizer = load_model_tokenizer(sm.config, ds.model_name)
-    summary = reconstruct_shard(sm.input.slice, sm.output.part, sm.output.summary, tokenizer, ds.family)
+    summary = reconstruct_shard(sm.input.slice, sm.params.where, sm.params.responses, sm.output.part, sm.output.summary,
+                                tokenizer, ds.family)
     logging.info("%s shard %s: %d samples reconstructed", ds.name, sm.wildcards.shard, summary["rows"])
     logging.info("peak memory %.0f MB", peak_memory_mb())
 except Exception:

@@ -28,7 +28,7 @@ def run_pershard(src: Path, work: Path, tok, fam, shard_size: int, dataset: str 
     keys = [s["key"] for s in plan["shards"]]
     paths = {k: ps.work_paths(work, k) for k in keys}
     for k in keys:
-        ps.reconstruct_shard(paths[k]["slice"], paths[k]["part"], paths[k]["summary"], tok, fam)
+        ps.reconstruct_shard(paths[k]["slice"], paths[k]["where"], src, paths[k]["part"], paths[k]["summary"], tok, fam)
     return ps.learn_and_judge(work / "plan.json", work, work.parent / "tokens", work.parent / "store", tok, fam,
                               workers=workers)
 
@@ -94,6 +94,30 @@ def test_slices_of_unchanged_shards_keep_bytes_and_mtime(tmp_path):
 
 
 @needs_recorded
+def test_a_slice_names_its_records_and_refuses_one_changed_after_the_plan(tmp_path):
+    """A slice holds ids and sha256s (not the records: about 100 bytes a sample); its shard job reads
+    each record from the responses at its offset, and refuses one whose bytes changed since the plan,
+    naming the responses file and line."""
+    fam = get_family("kimi-k2")
+    tok = load_tokenizer(K2, fam)
+    records = _records(30)
+    src = tmp_path / "responses.jsonl"
+    _write(src, records)
+    plan = ps.plan_shards(src, tmp_path / "plan.json", tmp_path / "slices", "ds", 10)
+    key = plan["shards"][0]["key"]
+    p = ps.work_paths(tmp_path, key)
+    assert p["slice"].stat().st_size < 100 * plan["shards"][0]["rows"] < src.stat().st_size / 10
+    got = [sid for sid, _ in ps.iter_slice(p["slice"], p["where"], src)]
+    assert got == sorted(got) and got[0] == plan["shards"][0]["first_id"] and len(got) == plan["shards"][0]["rows"]
+    line = next(n for n, r in enumerate(records, 1) if r["id"] == got[-1])
+    changed = [dict(r, status=201) if n == line else r for n, r in enumerate(records, 1)]
+    _write(src, changed)
+    with pytest.raises(ps.ResponsesFileError, match=rf"{src}:{line}: not the record token_plan saw there .*rerun token_plan"):
+        ps.reconstruct_shard(p["slice"], p["where"], src, p["part"], p["summary"], tok, fam)
+    assert not p["part"].exists()
+
+
+@needs_recorded
 def test_plan_sorted_in_runs_on_disk_is_the_plan_sorted_in_memory(tmp_path, monkeypatch):
     """Ids sorted in runs of 7 on disk and merged give the same plan and slices, byte for byte, as one
     sort in memory, and leave no run file behind."""
@@ -107,7 +131,7 @@ def test_plan_sorted_in_runs_on_disk_is_the_plan_sorted_in_memory(tmp_path, monk
     assert sum(s["rows"] for s in one["shards"]) == 200
     a, b = sorted((tmp_path / "one" / "slices").iterdir()), sorted((tmp_path / "runs" / "slices").iterdir())
     assert [p.name for p in a] == [p.name for p in b] and all(x.read_bytes() == y.read_bytes() for x, y in zip(a, b))
-    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["slices"]
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["slices", "where"]
 
 
 @needs_recorded
@@ -161,7 +185,7 @@ def test_learning_reads_the_per_shard_summaries_only(tmp_path):
     big = ps.plan_shards(src, one_shard / "plan.json", one_shard / "slices", "ds", 100_000)
     key = big["shards"][0]["key"]
     p = ps.work_paths(one_shard, key)
-    ps.reconstruct_shard(p["slice"], p["part"], p["summary"], tok, fam)
+    ps.reconstruct_shard(p["slice"], p["where"], src, p["part"], p["summary"], tok, fam)
     assert p["summary"].stat().st_size <= 2 * largest  # 600 samples in one shard vs about 50: counters only
 
 

@@ -6,13 +6,17 @@ shard, and steps 3-5 together (:func:`learn_and_judge`, the ``tokens`` rule):
 
 1. :func:`plan_shards` (a checkpoint): streams the responses' ids (every record checked, as the
    one-job stage checks them), cuts them by the stable rule (:func:`~eagledata.tokens.shards.shard_groups`)
-   and writes ``plan.json`` (shard key -> rows, first and last id) and one *slice* per shard,
-   ``slices/{key}.tsv`` (its records, id order: ``json(id) TAB raw line``). A slice whose bytes did
-   not change is left untouched (same bytes, same mtime), so the shard's jobs do not rerun; the slices
-   are not a Snakemake output for the same reason as ``tokens.store`` (a rerun would delete them).
+   and writes ``plan.json`` (shard key -> rows, first and last id) and, per shard, a *slice*,
+   ``slices/{key}.tsv`` (what the shard holds, id order: ``json(id) TAB sha256 of the record's line``)
+   and where its records are, ``where/{key}.tsv`` (``byte offset TAB length TAB line number`` in the
+   responses file). The records are not copied: a slice is about 100 bytes a sample whatever the
+   responses' size. A slice whose bytes did not change is left untouched (same bytes, same mtime),
+   so the shard's jobs do not rerun when records move in the file or others change; the slices are
+   not a Snakemake output for the same reason as ``tokens.store`` (a rerun would delete them).
    A shard's **key** is the first 16 hex of the sha256 of its first id: stable while that shard's
    first id is, and the same key extraction jobs can follow later.
-2. :func:`reconstruct_shard` (per shard, the heavy one): the slice's samples -> ``parts/{key}.parquet``
+2. :func:`reconstruct_shard` (per shard, the heavy one): the slice's records, read from the responses
+   at their offsets and checked against the slice's sha256 -> ``parts/{key}.parquet``
    (ids and everything verdicts are computed from) + ``parts/{key}.summary.json`` (a few hundred bytes
    of counters: :mod:`eagledata.tokens.summaries`).
 3. :func:`learn_summaries`: the summaries only -> ``learned.json`` (count conventions,
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import itertools
 import json
 import logging
 import multiprocessing
@@ -45,7 +50,7 @@ import resource
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import polars as pl
 
@@ -91,7 +96,7 @@ def shard_key(first_id: str) -> str:
 
 def work_paths(work_dir: str | Path, key: str) -> dict[str, Path]:
     w = Path(work_dir)
-    return {"slice": w / "slices" / f"{key}.tsv", "part": w / "parts" / f"{key}.parquet",
+    return {"slice": w / "slices" / f"{key}.tsv", "where": w / "where" / f"{key}.tsv", "part": w / "parts" / f"{key}.parquet",
             "summary": w / "parts" / f"{key}.summary.json"}
 
 
@@ -110,22 +115,26 @@ def plan_shards(responses_path: str | Path, plan_path: str | Path, slices_dir: s
     if shard_size < 1:
         raise ResponsesFileError(f"tokens.shard_size must be >= 1, got {shard_size}")
     slices = Path(slices_dir)
-    slices.mkdir(parents=True, exist_ok=True)
+    where = slices.parent / "where"
+    for d in (slices, where):
+        d.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".runs-", dir=slices.parent) as tmp:
         runs, rows, digest = _sorted_id_runs(responses_path, dataset, Path(tmp))
         cuts = _shard_cuts(_merged(runs), responses_path, shard_size)
         shards, written, keys = [], 0, set()
-        with open(responses_path, "rb") as fh:
-            for first_id, n, group in _grouped(_merged(runs), cuts):
-                key = shard_key(first_id)
-                if key in keys:
-                    raise ResponsesFileError(f"{responses_path}: two shards share the key {key} (first id {first_id!r})")
-                keys.add(key)
-                written += _write_slice(slices / f"{key}.tsv", group, fh)
-                shards.append({"key": key, "rows": n, "first_id": first_id, "last_id": group[-1][0]})
-    for p in slices.iterdir():
-        if p.suffix == ".tsv" and p.stem not in keys:
-            p.unlink()
+        for first_id, n, group in _grouped(_merged(runs), cuts):
+            key = shard_key(first_id)
+            if key in keys:
+                raise ResponsesFileError(f"{responses_path}: two shards share the key {key} (first id {first_id!r})")
+            keys.add(key)
+            written += _write_if_changed(slices / f"{key}.tsv",
+                                         (f"{json.dumps(e[0], ensure_ascii=False)}\t{e[4]}\n" for e in group))
+            _write_if_changed(where / f"{key}.tsv", (f"{e[2]}\t{e[3]}\t{e[1]}\n" for e in group))
+            shards.append({"key": key, "rows": n, "first_id": first_id, "last_id": group[-1][0]})
+    for d in (slices, where):
+        for p in d.iterdir():
+            if p.suffix == ".tsv" and p.stem not in keys:
+                p.unlink()
     plan = {"version": PLAN_VERSION, "dataset": dataset, "source": str(responses_path),
             "source_sha256": digest, "rows": rows,
             "sharding": {"rule": SHARDING_RULE, "shard_size": shard_size, "max_rows": MAX_SHARD_FACTOR * shard_size,
@@ -135,7 +144,7 @@ def plan_shards(responses_path: str | Path, plan_path: str | Path, slices_dir: s
     return {**plan, "slices_written": written}
 
 
-_Entry = tuple[str, int, int]  # (id, line number, byte offset of the line)
+_Entry = tuple[str, int, int, int, str]  # (id, line number, byte offset, length, sha256 of the line)
 
 
 def _sorted_id_runs(responses_path: str | Path, dataset: str, tmp: Path) -> tuple[list, int, str]:
@@ -143,25 +152,35 @@ def _sorted_id_runs(responses_path: str | Path, dataset: str, tmp: Path) -> tupl
     id-sorted entries (a list in memory when there is one, else files in ``tmp``), the number of
     records and the file's sha256."""
     digest = hashlib.sha256()
+    last: list[bytes] = [b""]
+
+    def seen(raw: bytes) -> None:
+        digest.update(raw)
+        last[0] = raw
+
     runs: list = []
     buf: list[_Entry] = []
     rows = 0
     for lineno, offset, where, rec in iter_json_lines_at(responses_path, ResponsesFileError, "responses file",
-                                                          on_bytes=digest.update):
-        buf.append((record_id(checked_record(rec, where), f"{dataset}-{lineno:06d}"), lineno, offset))
+                                                          on_bytes=seen):
+        line = last[0].rstrip(b"\r\n")
+        buf.append((record_id(checked_record(rec, where), f"{dataset}-{lineno:06d}"), lineno, offset, len(line),
+                    hashlib.sha256(line).hexdigest()))
         rows += 1
         if len(buf) >= RUN_ROWS:
             runs.append(_spill(sorted(buf), tmp / f"run-{len(runs):05d}.tsv"))
             buf = []
-    if buf or not runs:
-        runs.append(sorted(buf) if not runs else _spill(sorted(buf), tmp / f"run-{len(runs):05d}.tsv"))
+    if not runs:
+        runs.append(sorted(buf))  # one run: no file
+    elif buf:
+        runs.append(_spill(sorted(buf), tmp / f"run-{len(runs):05d}.tsv"))
     return runs, rows, digest.hexdigest()
 
 
 def _spill(entries: list[_Entry], path: Path) -> Path:
     with open(path, "w", encoding="utf-8") as fh:
-        for sid, lineno, offset in entries:
-            fh.write(f"{json.dumps(sid)}\t{lineno}\t{offset}\n")
+        for sid, *rest in entries:
+            fh.write("\t".join([json.dumps(sid), *map(str, rest)]) + "\n")
     return path
 
 
@@ -171,8 +190,8 @@ def _read_run(run) -> Iterator[_Entry]:
         return
     with open(run, encoding="utf-8") as fh:
         for line in fh:
-            sid, lineno, offset = line.split("\t")
-            yield json.loads(sid), int(lineno), int(offset)
+            sid, lineno, offset, length, sha = line.rstrip("\n").split("\t")
+            yield json.loads(sid), int(lineno), int(offset), int(length), sha
 
 
 def _merged(runs: list) -> Iterator[_Entry]:
@@ -185,7 +204,7 @@ def _shard_cuts(entries: Iterator[_Entry], responses_path: str | Path, shard_siz
     cap = MAX_SHARD_FACTOR * shard_size
     cuts, cur, prev = [], 0, None
     repeats: list[tuple[int, str]] = []
-    for sid, lineno, _ in entries:
+    for sid, lineno, *_ in entries:
         if prev is not None and sid == prev[0]:
             repeats.append((max(lineno, prev[1]), sid))
         if cur and (cur >= cap or is_boundary_id(sid, shard_size)):
@@ -206,21 +225,18 @@ def _grouped(entries: Iterator[_Entry], cuts: Sequence[int]) -> Iterator[tuple[s
         yield group[0][0], n, group
 
 
-def _write_slice(path: Path, group: Sequence[_Entry], responses: Any) -> int:
-    """Write a shard's slice (its records' lines, read from the open ``responses`` at their offsets),
-    streamed; an existing slice with the same bytes is left untouched (bytes and mtime). Returns 1
-    when written, 0 when left."""
+def _write_if_changed(path: Path, lines: Iterable[str]) -> int:
+    """Write ``lines`` to ``path`` (streamed, atomically), unless ``path`` holds those bytes already:
+    then it is left untouched (bytes and mtime). Returns 1 when written, 0 when left."""
     tmp = path.with_name(f".{path.name}.new-{os.getpid()}")
     digest, size = hashlib.sha256(), 0
     try:
         with open(tmp, "wb") as out:
-            for sid, _, offset in group:
-                responses.seek(offset)
-                line = (json.dumps(sid, ensure_ascii=False).encode("utf-8") + b"\t"
-                        + responses.readline().rstrip(b"\r\n") + b"\n")
-                out.write(line)
-                digest.update(line)
-                size += len(line)
+            for line in lines:
+                data = line.encode("utf-8")
+                out.write(data)
+                digest.update(data)
+                size += len(data)
         if path.is_file() and path.stat().st_size == size and sha256_file(path) == digest.hexdigest():
             return 0
         with atomic_path(path) as dest:
@@ -230,12 +246,23 @@ def _write_slice(path: Path, group: Sequence[_Entry], responses: Any) -> int:
         tmp.unlink(missing_ok=True)
 
 
-def iter_slice(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(id, record) of every sample of a slice, in id order."""
-    with open(path, "rb") as fh:
-        for n, raw in enumerate(fh, 1):
-            sid_json, _, line = raw.rstrip(b"\n").partition(b"\t")
-            yield loads_json(sid_json), checked_record(loads_json(line), f"{path}:{n}")
+def iter_slice(slice_path: str | Path, where_path: str | Path,
+               responses_path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(id, record) of every sample of a slice, in id order: each record's line read from the
+    responses at its offset (``where_path``) and refused unless its sha256 is the slice's (the
+    responses changed after the plan: rerun it)."""
+    with open(slice_path, "rb") as ids, open(where_path, "rb") as at, open(responses_path, "rb") as src:
+        for n, (entry, place) in enumerate(itertools.zip_longest(ids, at), 1):
+            if entry is None or place is None:
+                raise ResponsesFileError(f"{slice_path}: {where_path} does not list its records (line {n}): rerun token_plan")
+            sid_json, _, sha = entry.rstrip(b"\n").partition(b"\t")
+            offset, length, lineno = (int(x) for x in place.split(b"\t"))
+            src.seek(offset)
+            line = src.read(length)
+            if hashlib.sha256(line).hexdigest().encode("ascii") != sha:
+                raise ResponsesFileError(f"{responses_path}:{lineno}: not the record token_plan saw there "
+                                         f"(id {loads_json(sid_json)!r}): the responses changed after the plan; rerun token_plan")
+            yield loads_json(sid_json), checked_record(loads_json(line), f"{responses_path}:{lineno}")
 
 
 # 2. reconstruction ---------------------------------------------------------------------------------
@@ -245,13 +272,14 @@ def iter_slice(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
 BATCH_ROWS = 256
 
 
-def reconstruct_shard(slice_path: str | Path, part_path: str | Path, summary_path: str | Path,
-                      tokenizer: Tokenizer, family: ModelFamily, template: str | None = None) -> dict[str, Any]:
-    """One shard's samples -> its part and summary; returns the summary."""
+def reconstruct_shard(slice_path: str | Path, where_path: str | Path, responses_path: str | Path,
+                      part_path: str | Path, summary_path: str | Path, tokenizer: Tokenizer, family: ModelFamily,
+                      template: str | None = None) -> dict[str, Any]:
+    """One shard's samples (its slice, see :func:`iter_slice`) -> its part and summary; returns the summary."""
     frames: list[pl.DataFrame] = []
     columns: dict[str, list] = {name: [] for name in PART_SCHEMA}  # built column-wise: one Series each
     stats = []
-    for sid, rec in iter_slice(slice_path):
+    for sid, rec in iter_slice(slice_path, where_path, responses_path):
         st, row = reconstruct_sample(rec, sid, tokenizer, family, template)
         row.update(has_eot=st.has_eot, codes=st.codes, has_tools=st.has_tools,
                    prompt_alt=json.dumps(st.prompt_alt) if st.prompt_alt is not None else None)
