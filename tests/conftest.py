@@ -84,3 +84,15 @@ def ask_stand_in(tok, fam, profile: str, seed: int, prompts: list[dict] | None =
             records.append({"id": p["id"], "request": body, "status": r.status_code, "response_raw": r.text})
             truths[p["id"]] = sim.truth_of(body)
     return records, truths
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory):
+    """The demo (config/config.yaml) run to the end once per session, in a copy of the repository.
+    Read-only: a test that changes anything works on ``workflow_runs.copy_run(demo_run, ...)``, which
+    keeps mtimes, so the copy's finished jobs (and its demo tokenizer, model and code stamps) stay done."""
+    from workflow_runs import copy_repo, snakemake
+
+    work = copy_repo(tmp_path_factory.mktemp("demo_run") / "w")
+    snakemake(work, "all")
+    return work

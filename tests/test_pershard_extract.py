@@ -2,16 +2,21 @@
 snakemake runs of the demo (stand-in responses, the tiny random DeepSeek-V3 on CPU):
 
 * one new prompt at the top, in the middle or at the end re-extracts only the shard holding it: every
-  other hidden shard keeps its sha256 and mtime, and the dry run plans one extract_shard job;
+  other hidden shard keeps its sha256 and mtime, and the dry run plans one extract_shard job (the three
+  places tried side by side, each on its own copy of one finished run);
 * with 8 simulated GPUs and 16 shards at one GPU per job, 8 extract jobs hold a device at once and
   no device is ever held by two jobs (--resources gpu=8), and a failed shard job is the only one
   redone (one run for both).
+
+Every work directory starts from a copy of the finished demo run (tests/conftest.py): its demo tokenizer,
+model and code stamps are built already.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -20,18 +25,26 @@ import yaml
 from eagledata.io import sha256_file
 from eagledata.extract.storage import read_shard_metadata
 from eagledata.tokens.shards import is_boundary_id
-from test_workflow import _copy_repo, planned_jobs, snakemake
+from workflow_runs import copy_run, planned_jobs, snakemake
 
 pytestmark = pytest.mark.workflow
 
 ROOT = Path(__file__).resolve().parents[1]
 HIDDEN = "results/ds/hidden"
 PLAN = "results/ds/hidden.work/plan.json"
+# One torch thread per extract_shard job (the rule asks for 2): on a 2-core machine two jobs then run
+# side by side instead of one, and 8 concurrent jobs do not fight over the cores. What a shard holds
+# does not depend on it, and Snakemake reruns nothing for a changed thread count.
+ONE_THREAD = ("--set-threads", "extract_shard=1")
+# The demo's 24 chat prompts at this shard size: 5 shards, and the three places below (top, middle,
+# end) fall in the first, the third and the last of them.
+CHAT_SHARD_SIZE = 10
 
 
-def _configure(work: Path, prompts: Path, shard_size: int, **extraction) -> None:
+def _configure(work: Path, prompts: str, shard_size: int, **extraction) -> None:
+    """One dataset `ds` of ``prompts`` (relative to ``work``: a copy of the work directory reads its own)."""
     config = yaml.safe_load((work / "config/config.yaml").read_text())
-    config["datasets"] = {"ds": {"prompts": str(prompts), "model": "demo", "backend": "simulator"}}
+    config["datasets"] = {"ds": {"prompts": prompts, "model": "demo", "backend": "simulator"}}
     config["tokens"] = {**(config.get("tokens") or {}), "shard_size": shard_size}
     config["extraction"] = {**config["extraction"], **extraction}
     config["export"] = {**(config.get("export") or {}), "specforge": False, "speculators": False}
@@ -64,58 +77,69 @@ def _not_boundary(prefix: str, shard_size: int) -> str:
     return next(f"{prefix}{k}" for k in range(100) if not is_boundary_id(f"{prefix}{k}", shard_size))
 
 
-def test_one_new_prompt_reextracts_only_the_shard_holding_it(tmp_path):
-    work = _copy_repo(tmp_path / "w")
+def _add_one_prompt(work: Path, where: str, new_id: str) -> None:
+    """Insert one prompt `new_id` at the top, in the middle or at the end (``where``) of the dataset's
+    prompts, rebuild, and check that only the shard holding it was re-extracted."""
     prompts = work / "data" / "chat.jsonl"
-    prompts.parent.mkdir()
-    shutil.copy(ROOT / "config/demo/chat.jsonl", prompts)
-    _configure(work, prompts, shard_size=4)
-    snakemake(work, HIDDEN)
-    assert len(_plan_keys(work)) >= 4
-    new_ids = {"top": _not_boundary("chat-000-", 4), "middle": _not_boundary("chat-012-", 4),
-               "end": _not_boundary("chat-999-", 4)}
-    for where, new_id in new_ids.items():
-        before, records_before = _store(work), _records(work)
-        ids_before = {n: _ids(work, n) for n in before}
-        lines = prompts.read_text().splitlines(keepends=True)
-        at = {"top": 0, "middle": len(lines) // 2, "end": len(lines)}[where]
-        prompts.write_text("".join(lines[:at] + [_prompt(new_id)] + lines[at:]))
-        snakemake(work, PLAN)  # generation (one request), tokens, validation, the plan
-        assert planned_jobs(work, HIDDEN) == {"extract_shard": 1, "extract": 1}, where
-        snakemake(work, HIDDEN)
-        after = _store(work)
-        new = [n for n in after if after[n] != before.get(n)]
-        assert len(new) == 1, (where, new)
-        new_ids_in_shard = _ids(work, new[0])
-        assert new_id in new_ids_in_shard
-        kept = [n for n in before if n in after]
-        assert all(after[n] == before[n] for n in kept)  # same bytes (sha256) and the same mtime
-        replaced = set(before) - set(after)  # at most the shard that gained the prompt (none if it starts one)
-        assert len(replaced) <= 1 and all(ids_before[n] < new_ids_in_shard for n in replaced), (where, replaced)
-        records = _records(work)
-        rerun = [k for k in records if records[k].get("job") != (records_before.get(k) or {}).get("job")]
-        assert len(rerun) == 1 and records[rerun[0]]["file"] == new[0] and not records[rerun[0]]["resumed"]
-        manifest = json.loads((work / HIDDEN / "manifest.json").read_text())
-        assert sorted(s["file"] for s in manifest["shards"]) == sorted(after)
-        assert all(os.path.samefile(work / HIDDEN / n, work / "results/ds/hidden.store" / n) for n in after)
-    assert manifest["samples"] == 24 + 3
+    before, records_before = _store(work), _records(work)
+    ids_before = {n: _ids(work, n) for n in before}
+    lines = prompts.read_text().splitlines(keepends=True)
+    at = {"top": 0, "middle": len(lines) // 2, "end": len(lines)}[where]
+    prompts.write_text("".join(lines[:at] + [_prompt(new_id)] + lines[at:]))
+    snakemake(work, PLAN)  # generation (one request), tokens, validation, the plan
+    assert planned_jobs(work, HIDDEN) == {"extract_shard": 1, "extract": 1}, where
+    snakemake(work, HIDDEN, *ONE_THREAD)
+    after = _store(work)
+    new = [n for n in after if after[n] != before.get(n)]
+    assert len(new) == 1, (where, new)
+    new_ids_in_shard = _ids(work, new[0])
+    assert new_id in new_ids_in_shard
+    kept = [n for n in before if n in after]
+    assert all(after[n] == before[n] for n in kept)  # same bytes (sha256) and the same mtime
+    replaced = set(before) - set(after)  # at most the shard that gained the prompt (none if it starts one)
+    assert len(replaced) <= 1 and all(ids_before[n] < new_ids_in_shard for n in replaced), (where, replaced)
+    records = _records(work)
+    rerun = [k for k in records if records[k].get("job") != (records_before.get(k) or {}).get("job")]
+    assert len(rerun) == 1 and records[rerun[0]]["file"] == new[0] and not records[rerun[0]]["resumed"]
+    manifest = json.loads((work / HIDDEN / "manifest.json").read_text())
+    assert sorted(s["file"] for s in manifest["shards"]) == sorted(after)
+    assert all(os.path.samefile(work / HIDDEN / n, work / "results/ds/hidden.store" / n) for n in after)
+    assert manifest["samples"] == len(lines) + 1
     assert planned_jobs(work, HIDDEN) == {}
 
 
+def test_one_new_prompt_reextracts_only_the_shard_holding_it(demo_run, tmp_path):
+    work = copy_run(demo_run, tmp_path / "w")
+    prompts = work / "data" / "chat.jsonl"
+    prompts.parent.mkdir()
+    shutil.copy(ROOT / "config/demo/chat.jsonl", prompts)
+    _configure(work, "data/chat.jsonl", shard_size=CHAT_SHARD_SIZE)
+    snakemake(work, HIDDEN, *ONE_THREAD)
+    keys = _plan_keys(work)
+    assert len(keys) >= 4
+    new_ids = {where: _not_boundary(prefix, CHAT_SHARD_SIZE)
+               for where, prefix in (("top", "chat-000-"), ("middle", "chat-012-"), ("end", "chat-999-"))}
+    # the places are three different shards: the first, one neither first nor last, and the last
+    firsts = sorted(min(_ids(work, name)) for name in _store(work))  # a shard holds an id range
+    assert len(firsts) == len(keys)
+    at = {where: max([0] + [i for i, first in enumerate(firsts) if first <= new_id]) for where, new_id in new_ids.items()}
+    assert at["top"] == 0 < at["middle"] < at["end"] == len(keys) - 1, at
+    # each place on its own copy of the finished run (copy_run keeps mtimes: nothing out of date), side
+    # by side: the runs are chains of one-process jobs, so three of them keep both cores busy
+    copies = {where: copy_run(work, tmp_path / where) for where in new_ids}
+    with ThreadPoolExecutor(len(copies)) as pool:
+        list(pool.map(lambda where: _add_one_prompt(copies[where], where, new_ids[where]), copies))
+
+
 @pytest.fixture(scope="module")
-def sixteen_shards(tmp_path_factory):
+def sixteen_shards(demo_run, tmp_path_factory):
     """The demo's 16 tool prompts at shard_size 1 (16 shards), one GPU per extract job, run up to the
-    extraction plan, and the demo model built."""
-    work = _copy_repo(tmp_path_factory.mktemp("gpu") / "w")
-    _configure(work, work / "config/demo/tools.jsonl", shard_size=1, device="auto", gpus_per_job=1)
+    extraction plan, and the demo model built (a copy of the demo run: built already)."""
+    work = copy_run(demo_run, tmp_path_factory.mktemp("gpu") / "w")
+    _configure(work, "config/demo/tools.jsonl", shard_size=1, device="auto", gpus_per_job=1)
     snakemake(work, PLAN, "results/_assets/demo-model")
     assert len(_plan_keys(work)) == 16
     return work
-
-
-def _copy(work: Path, dest: Path) -> Path:
-    shutil.copytree(work, dest, symlinks=True)  # copy2: mtimes kept, so nothing is out of date
-    return dest
 
 
 def _gpu_env(tmp_path: Path) -> dict[str, str]:
@@ -131,15 +155,16 @@ def test_eight_shard_jobs_hold_eight_gpus_and_a_failed_one_is_the_only_one_redon
     """One run of the 16 shard jobs on 8 simulated GPUs, one of them made to fail (its store path is
     a directory, so publishing fails): 8 jobs hold a device at once, never two jobs the same device,
     and the rerun redoes only the failed shard, leaving the 15 others' files untouched."""
-    work = _copy(sixteen_shards, tmp_path / "w")
+    work = copy_run(sixteen_shards, tmp_path / "w")
     env = _gpu_env(tmp_path)
     assert _to_run(work, HIDDEN, env=env) == {"extract_shard": 16, "extract": 1}
     plan = json.loads((work / PLAN).read_text())
     victim = plan["shards"][5]
     blocker = work / "results/ds/hidden.store" / Path(victim["file"]).with_suffix(".safetensors").name
     blocker.mkdir(parents=True)
-    # --cores 32 would allow 16 jobs of 2 threads: the gpu resource is what holds it to 8
-    proc = snakemake(work, HIDDEN, "--cores", "32", "--resources", "gpu=8", "--keep-going", env=env, check=False)
+    # --cores 32 would allow all 16 jobs (one thread each): the gpu resource is what holds it to 8
+    proc = snakemake(work, HIDDEN, "--cores", "32", "--resources", "gpu=8", "--keep-going", *ONE_THREAD, env=env,
+                     check=False)
     assert proc.returncode != 0
     assert "IsADirectoryError" in (work / f"logs/ds/extract_shard/{victim['key']}.log").read_text()
     records = _records(work)
@@ -158,7 +183,7 @@ def test_eight_shard_jobs_hold_eight_gpus_and_a_failed_one_is_the_only_one_redon
     assert len(before) == 15
     blocker.rmdir()
     assert _to_run(work, HIDDEN, env=env) == {"extract_shard": 1, "extract": 1}
-    snakemake(work, HIDDEN, env=env)
+    snakemake(work, HIDDEN, *ONE_THREAD, env=env)
     after = _store(work)
     assert {n: after[n] for n in before} == before  # the 15 finished shards untouched
     assert set(after) - set(before) == {blocker.name}

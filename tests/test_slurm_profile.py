@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -34,14 +33,12 @@ def test_profile_parses():
 
 
 @pytest.fixture(scope="module")
-def dry_run(tmp_path_factory):
-    work = tmp_path_factory.mktemp("slurm")
-    for name in ("Snakefile", "rules", "scripts", "config", "src", "profiles", "envs"):
-        src = ROOT / name
-        if src.is_dir():
-            shutil.copytree(src, work / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-        else:
-            shutil.copy2(src, work / name)
+def dry_run(demo_run, tmp_path_factory):
+    """The demo's stages up to the extraction plans run locally at a smaller shard size (on a copy of
+    the finished demo run: its responses are there), then the dry run with the slurm profile."""
+    from workflow_runs import copy_run
+
+    work = copy_run(demo_run, tmp_path_factory.mktemp("slurm") / "w")
     cfg = yaml.safe_load((work / "config" / "config.yaml").read_text())
     cfg["extraction"].update(gpus_per_job=8, device="auto")  # K2.5-style: one job per 8-GPU node
     cfg["tokens"] = {**(cfg.get("tokens") or {}), "shard_size": 6}  # a few shards per dataset

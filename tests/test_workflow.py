@@ -1,66 +1,24 @@
 """Real Snakemake runs of the workflow, in a copy of the repository under a temp dir."""
 from __future__ import annotations
 
+import base64
 import json
 import os
-import re
-import shutil
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-COPY = ["Snakefile", "rules", "scripts", "config", "src", "profiles", "envs"]
+from workflow_runs import ROOT, configure, copy_repo, copy_run, planned_jobs, snakemake
 
 pytestmark = pytest.mark.workflow
 
-
-def _copy_repo(dest: Path) -> Path:
-    dest.mkdir(parents=True, exist_ok=True)
-    for name in COPY:
-        src = ROOT / name
-        if src.is_dir():
-            shutil.copytree(src, dest / name, symlinks=True,
-                            ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-        else:
-            shutil.copy2(src, dest / name)
-    return dest
-
-
-def snakemake(workdir: Path, *args: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "snakemake", "--cores", "2", *args]
-    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=900)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
-    return proc
-
-
-def planned_jobs(workdir: Path, *args: str, env: dict | None = None) -> dict[str, int]:
-    """Rule -> job count that a dry run would execute."""
-    out = snakemake(workdir, "-n", *args, env=env)
-    text = out.stdout + out.stderr
-    if "Nothing to be done" in text:
-        return {}
-    table = re.search(r"Job stats:\n(.*?)\n\n", text, re.S)
-    assert table, text[-3000:]
-    jobs = {}
-    for line in table.group(1).splitlines()[2:]:
-        parts = line.split()
-        if len(parts) == 2 and parts[1].isdigit() and parts[0] != "total":
-            jobs[parts[0]] = int(parts[1])
-    return jobs
-
-
-@pytest.fixture(scope="module")
-def demo_run(tmp_path_factory):
-    work = _copy_repo(tmp_path_factory.mktemp("demo"))
-    snakemake(work, "all")
-    return work
+_copy_repo = copy_repo  # the name tests/test_pershard_tokens.py imports
 
 
 def _lines(path: Path) -> int:
@@ -194,51 +152,72 @@ def _runtime_imports(work: Path, script: str) -> set[str]:
     return {str(Path(line).resolve().relative_to(work.resolve())) for line in out.stdout.split()}
 
 
-def test_editing_a_module_reruns_the_stages_that_import_it_and_never_generation(tmp_path):
-    """Every project module in turn: a newer copy reruns each stage whose script imports it (measured
-    by importing the script's imports) and what follows, and never the paid generate step."""
-    from eagledata.standin.server import SimulatorServer
-    from eagledata.demo.tokenizer import build_demo_tokenizer, default_corpus_path
-    from eagledata.text.families import get_family
-    from eagledata.text.tokenizer import load_tokenizer
+def _readers(work: Path) -> dict[str, frozenset[str]]:
+    """Input file -> the output files of the jobs that read it, from Snakemake's own record of every job
+    of the finished run (.snakemake/metadata/: per output file, a JSON with its job's inputs)."""
+    readers: dict[str, set[str]] = defaultdict(set)
+    meta = work / ".snakemake" / "metadata"
+    for record in (p for p in meta.rglob("*") if p.is_file()):
+        output = base64.urlsafe_b64decode("".join(record.relative_to(meta).parts).replace("@", "")).decode()
+        for path in json.loads(record.read_text()).get("input") or []:
+            readers[path].add(output)
+    assert readers, f"no job records under {meta}"
+    return {path: frozenset(outputs) for path, outputs in readers.items()}
 
-    work = _copy_repo(tmp_path / "w")
-    tok_dir = tmp_path / "tok"
-    build_demo_tokenizer(default_corpus_path(), tok_dir)
-    fam = get_family("kimi-k2.5")
-    with SimulatorServer(load_tokenizer(tok_dir, fam), fam, seed=5) as server:
-        config = yaml.safe_load((work / "config/config.yaml").read_text())
-        config["generation"]["api_base"] = server.base_url
-        config["datasets"] = {"a": {"prompts": "config/demo/chat.jsonl", "model": "demo", "backend": "openrouter"}}
-        (work / "config/config.yaml").write_text(yaml.safe_dump(config))
-        env = {"OPENROUTER_API_KEY": KEY}
+
+def _plan_after_edit(root: Path, rels: list[Path], env: dict) -> dict[str, int]:
+    """The dry run after a real edit of every file of ``rels`` (Snakemake compares input checksums, so a
+    touch is not a change); the edits are then undone, mtimes included."""
+    saved = {rel: ((root / rel).read_bytes(), (root / rel).stat()) for rel in rels}
+    for rel, (text, _) in saved.items():
+        (root / rel).write_bytes(text + b"\n# edited\n")
+    try:
+        return planned_jobs(root, env=env)
+    finally:
+        for rel, (text, st) in saved.items():
+            (root / rel).write_bytes(text)
+            os.utime(root / rel, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_editing_a_module_reruns_the_stages_that_import_it_and_never_generation(demo_run, demo_tok, tmp_path):
+    """Every project module in turn: a newer copy reruns each stage whose script imports it (measured
+    by importing the script's imports) and what follows, and never the paid generate step.
+
+    One dry run per group of modules that the same jobs read (Snakemake's record of the finished run):
+    the jobs an edit makes out of date are those reading the edited file and what follows them, so
+    every module of a group plans exactly what editing the whole group plans, and a module missing
+    from a stage's code inputs is read by other jobs than its neighbours: a group of its own."""
+    from eagledata.standin.server import SimulatorServer
+
+    work = copy_run(demo_run, tmp_path / "w")  # the demo's tokenizer, model and code stamps are built
+    tok, fam = demo_tok
+    env = {"OPENROUTER_API_KEY": KEY}
+    with SimulatorServer(tok, fam, seed=5) as server:
+        generation = {**yaml.safe_load((work / "config/config.yaml").read_text())["generation"], "api_base": server.base_url}
+        configure(work, generation=generation,
+                  datasets={"a": {"prompts": "config/demo/chat.jsonl", "model": "demo", "backend": "openrouter"}})
         snakemake(work, "all", env=env)
     assert planned_jobs(work, env=env) == {}
     modules = sorted(p for p in (work / "src/eagledata").rglob("*.py"))
     imported = {script: _runtime_imports(work, script) for script in STAGE_RULES}
     assert all(imported.values())
 
-    # Two copies of the finished run (copy2 keeps mtimes: nothing is out of date in either), each
-    # editing every other module, so the dry runs use both cores.
-    twin = shutil.copytree(work, tmp_path / "w2", symlinks=True)
+    readers = _readers(work)
+    groups: dict[frozenset[str], list[Path]] = defaultdict(list)
+    for path in modules:
+        rel = path.relative_to(work)
+        groups[readers.get(str(rel), frozenset())].append(rel)
+    assert any(readers.get(str(p.relative_to(work))) for p in modules)  # the records name the modules
+
+    # Two copies of the finished run (copy_run keeps mtimes: nothing is out of date in either), each
+    # taking every other group, so the dry runs use both cores.
+    twin = copy_run(work, tmp_path / "w2")
     assert planned_jobs(twin, env=env) == {}
-
-    def plan_after_edit(root: Path, rel: Path) -> dict[str, int]:
-        """A real edit (Snakemake compares input checksums, so a touch is not a change), then undone."""
-        path = root / rel
-        text, st = path.read_bytes(), path.stat()
-        path.write_bytes(text + b"\n# edited\n")
-        try:
-            return planned_jobs(root, env=env)
-        finally:
-            path.write_bytes(text)
-            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-
-    rels = [path.relative_to(work) for path in modules]
+    batches = list(groups.values())
     with ThreadPoolExecutor(2) as pool:
-        halves = pool.map(lambda job: {rel: plan_after_edit(job[0], rel) for rel in job[1]},
-                          [(work, rels[0::2]), (Path(twin), rels[1::2])])
-        results = {work / rel: jobs for half in halves for rel, jobs in half.items()}
+        halves = pool.map(lambda job: [(rels, _plan_after_edit(job[0], rels, env)) for rels in job[1]],
+                          [(work, batches[0::2]), (twin, batches[1::2])])
+        results = {work / rel: jobs for half in halves for rels, jobs in half for rel in rels}
     assert len(results) == len(modules)
     for path, jobs in results.items():
         rel = str(path.relative_to(work))
