@@ -38,11 +38,6 @@ rule token_shard:
     output:
         part=f"{TOKENS_WORK}/parts/{{shard}}.parquet",
         summary=f"{TOKENS_WORK}/parts/{{shard}}.summary.json",
-    params:
-        # where the slice's records are in the responses (upstream of the plan; each record is checked
-        # against the slice's sha256, so a slice whose records did not change reruns nothing)
-        where=f"{TOKENS_WORK}/where/{{shard}}.tsv",
-        responses=f"{RESULTS}/{{dataset}}/responses.jsonl",
     log:
         "logs/{dataset}/token_shard/{shard}.log",
     benchmark:

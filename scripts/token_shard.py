@@ -3,15 +3,15 @@ import logging
 import sys
 
 from eagledata.config import dataset_settings, load_model_tokenizer
-from eagledata.tokens.pershard import peak_memory_mb, reconstruct_shard
+from eagledata.tokens.pershard import peak_memory_mb, reconstruct_shard, slice_sources
 
 sm = snakemake  # noqa: F821 - injected by Snakemake
 logging.basicConfig(filename=sm.log[0], level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 try:
     ds = dataset_settings(sm.config, sm.wildcards.dataset)
     tokenizer = load_model_tokenizer(sm.config, ds.model_name)
-    summary = reconstruct_shard(sm.input.slice, sm.params.where, sm.params.responses, sm.output.part, sm.output.summary,
-                                tokenizer, ds.family)
+    where, responses = slice_sources(sm.input.slice)
+    summary = reconstruct_shard(sm.input.slice, where, responses, sm.output.part, sm.output.summary, tokenizer, ds.family)
     logging.info("%s shard %s: %d samples reconstructed", ds.name, sm.wildcards.shard, summary["rows"])
     logging.info("peak memory %.0f MB", peak_memory_mb())
 except Exception:

@@ -107,6 +107,7 @@ def test_a_slice_names_its_records_and_refuses_one_changed_after_the_plan(tmp_pa
     key = plan["shards"][0]["key"]
     p = ps.work_paths(tmp_path, key)
     assert p["slice"].stat().st_size < 100 * plan["shards"][0]["rows"] < src.stat().st_size / 10
+    assert ps.slice_sources(p["slice"]) == (p["where"], str(src))  # what the token_shard job reads
     got = [sid for sid, _ in ps.iter_slice(p["slice"], p["where"], src)]
     assert got == sorted(got) and got[0] == plan["shards"][0]["first_id"] and len(got) == plan["shards"][0]["rows"]
     line = next(n for n, r in enumerate(records, 1) if r["id"] == got[-1])
