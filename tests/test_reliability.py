@@ -18,26 +18,10 @@ import pytest
 import yaml
 
 from conftest import need_shared
+from workflow_runs import copy_repo
 from gen_helpers import API_KEY, StandInProcess, generate_cmd, make_config, quiet, spawn, write_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
-COPY = ["Snakefile", "rules", "scripts", "config", "src", "profiles", "envs"]
-
-
-# --------------------------------------------------------------------------------------------
-# helpers
-
-
-def copy_repo(dest: Path) -> Path:
-    """The workflow in a work directory of its own (as tests/test_workflow.py does)."""
-    dest.mkdir(parents=True, exist_ok=True)
-    for name in COPY:
-        src = ROOT / name
-        if src.is_dir():
-            shutil.copytree(src, dest / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-        else:
-            shutil.copy2(src, dest / name)
-    return dest
 
 
 def demo_config() -> dict:
