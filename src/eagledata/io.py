@@ -6,8 +6,8 @@ Every JSONL input of the pipeline (prompts, responses, imported recordings) goes
 :func:`iter_json_lines`, so a bad line always fails the same way: ``FILE:LINE:(json): invalid JSON
 ... at column N`` (the 1-based character column of the error in that line), ``FILE:LINE:(line): not valid UTF-8 ...`` or ``FILE:LINE: a line must be a JSON object``.
 
-JSON is parsed by :func:`loads_json`: orjson (several times faster than the standard library on the
-large response bodies the tokens stage reads), and the standard library wherever orjson refuses,
+JSON is parsed by :func:`loads_json`: orjson (faster than the standard library on the large response
+bodies the tokens stage reads), and the standard library wherever orjson refuses,
 so a value is always what ``json.loads`` gives and an error is always ``json.loads``'s.
 """
 
@@ -71,6 +71,19 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         with contextlib.suppress(FileNotFoundError):
             if tmp.is_file():
                 tmp.unlink()
+
+
+def replace_unless_same(tmp: str | Path, dest: str | Path, sha256: str | None = None) -> bool:
+    """Move the finished file ``tmp`` to ``dest`` atomically (:func:`atomic_path`), unless ``dest``
+    holds the same bytes already: then ``dest`` is left untouched (bytes and mtime) and ``tmp`` is
+    removed. ``sha256``: of ``tmp``, when the caller has it. Returns True when ``dest`` was kept."""
+    tmp, dest = Path(tmp), Path(dest)
+    if dest.is_file() and dest.stat().st_size == tmp.stat().st_size and sha256_file(dest) == (sha256 or sha256_file(tmp)):
+        tmp.unlink()
+        return True
+    with atomic_path(dest) as t:
+        os.replace(tmp, t)
+    return False
 
 
 def link_file(src: str | Path, dst: str | Path) -> None:

@@ -54,7 +54,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import polars as pl
 
-from eagledata.io import atomic_path, atomic_write_json, iter_json_lines_at, loads_json, sha256_file
+from eagledata.io import atomic_path, atomic_write_json, iter_json_lines_at, loads_json, replace_unless_same, sha256_file
 from eagledata.text.families import ModelFamily
 from eagledata.text.tokenizer import Tokenizer
 from eagledata.tokens.samples import record_id
@@ -229,19 +229,14 @@ def _write_if_changed(path: Path, lines: Iterable[str]) -> int:
     """Write ``lines`` to ``path`` (streamed, atomically), unless ``path`` holds those bytes already:
     then it is left untouched (bytes and mtime). Returns 1 when written, 0 when left."""
     tmp = path.with_name(f".{path.name}.new-{os.getpid()}")
-    digest, size = hashlib.sha256(), 0
+    digest = hashlib.sha256()
     try:
         with open(tmp, "wb") as out:
             for line in lines:
                 data = line.encode("utf-8")
                 out.write(data)
                 digest.update(data)
-                size += len(data)
-        if path.is_file() and path.stat().st_size == size and sha256_file(path) == digest.hexdigest():
-            return 0
-        with atomic_path(path) as dest:
-            os.replace(tmp, dest)
-        return 1
+        return 0 if replace_unless_same(tmp, path, digest.hexdigest()) else 1
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -391,10 +386,7 @@ def judge_shard(part_path: str | Path, learned: Mapping[str, Any], store_dir: st
         df.write_parquet(tmp, compression="zstd")
         sha = sha256_file(tmp)
         dest = store / shard_name(sha)
-        kept = dest.is_file() and sha256_file(dest) == sha
-        if not kept:
-            with atomic_path(dest) as t:
-                os.replace(tmp, t)
+        kept = replace_unless_same(tmp, dest, sha)
     finally:
         tmp.unlink(missing_ok=True)
     ids = df["id"]

@@ -69,8 +69,8 @@ from eagledata.tokens.repairs import (WHITESPACE_CONTENT, WHITESPACE_REASONING, 
                       parsed_from_segments, search_repairs)
 from eagledata.errors import InputError
 from eagledata.text.families import ModelFamily
-from eagledata.io import (ResponsesFileError, atomic_path, atomic_write_json, iter_json_lines, link_file,
-                          normalize_response_line, sha256_file)
+from eagledata.io import (ResponsesFileError, atomic_write_json, iter_json_lines, link_file,
+                          normalize_response_line, replace_unless_same, sha256_file)
 from eagledata.tokens.samples import alternative_prompt_lengths, record_id, tokenize_record
 from eagledata.text.tokenizer import Tokenizer
 
@@ -285,13 +285,7 @@ def _write_shards(scratch: Path, parts: list[str], store: Path, stats: list[Samp
         df.write_parquet(tmp, compression="zstd")
         sha = sha256_file(tmp)
         name = shard_name(sha)
-        dest = store / name
-        if dest.is_file() and sha256_file(dest) == sha:
-            result.kept.append(name)
-        else:
-            with atomic_path(dest) as t:
-                os.replace(tmp, t)
-            result.written.append(name)
+        (result.kept if replace_unless_same(tmp, store / name, sha) else result.written).append(name)
         ids = df["id"]
         shards_meta.append({"file": name, "rows": df.height, "sha256": sha,
                             "first_id": ids[0] if df.height else None, "last_id": ids[-1] if df.height else None})
