@@ -337,7 +337,7 @@ def learn_repairs(learned_path: str | Path, part_paths: Sequence[str | Path], ou
         df = pl.read_parquet(path, columns=[c for c in PART_SCHEMA if c not in ("input_ids", "segments")])
         stats = part_stats(df)
         judged = judge.first_verdicts(stats)
-        need = [i for i, j in enumerate(judged) if _repairable(j)]
+        need = [i for i, j in enumerate(judged) if repairable(j.reasons)]
         if not need:
             continue
         segs = pl.read_parquet(path, columns=["segments", "finish_reason"])
@@ -347,10 +347,6 @@ def learn_repairs(learned_path: str | Path, part_paths: Sequence[str | Path], ou
     learned["repairs"] = {p: sorted(ts) for p, ts in found.items()}
     atomic_write_json(out_path, learned)
     return learned
-
-
-def _repairable(j) -> bool:
-    return repairable(j.reasons)
 
 
 # 5-6. judging and the manifest (one dataset job) ----------------------------------------------------
@@ -376,7 +372,7 @@ def judge_shard(part_path: str | Path, learned: Mapping[str, Any], store_dir: st
         judge.apply_repairs(stats, judged, rows(), known)
         judge.whitespace_check(stats, judged, rows(), known)
         frames.append(with_verdicts(chunk.drop(list(_STATS_SCHEMA)), stats, judged, 0, learned["variants"], admitted))
-        add_counts(seen, transformations_seen(stats, judged))
+        _add_counts(seen, transformations_seen(stats, judged))
     del part
     df = pl.concat(frames).rechunk()
     store = Path(store_dir)
@@ -448,7 +444,7 @@ def learn_and_judge(plan_path: str | Path, work_dir: str | Path, out_dir: str | 
                             tokenizer, family, policy, workers)
 
 
-def add_counts(into: dict[str, dict[str, int]], counts: Mapping[str, Mapping[str, int]]) -> None:
+def _add_counts(into: dict[str, dict[str, int]], counts: Mapping[str, Mapping[str, int]]) -> None:
     """Add per-provider code counts (``transformations_seen``) into ``into``."""
     for provider, by_code in counts.items():
         c = into.setdefault(provider, {})
@@ -464,7 +460,7 @@ def _write_manifest(plan: Mapping[str, Any], learned: dict[str, Any], entries: S
     conventions = learned["conventions"]
     seen: dict[str, dict[str, int]] = {}
     for e in entries:
-        add_counts(seen, e["transformations_seen"])
+        _add_counts(seen, e["transformations_seen"])
     report = Learned(conventions, learned["reliability"], learned["variants"])
     for provider, c in seen.items():
         conventions[provider]["transformations_seen"] = c
