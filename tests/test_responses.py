@@ -95,3 +95,109 @@ def test_every_recorded_body_parses(recorded):
         assert p.ok, (rec["source"], p.error)
         assert p.completion_tokens is not None and p.provider
         assert p.finish_reason in ("stop", "tool_calls")
+
+
+# --- text chunks read through the stream's template (eagledata.tokens.chunk_templates) -------------
+
+TRICKY = ['plain', '', ' "quoted" ', 'back\\slash\\', '"content":"x"', '},"finish_reason":"stop"}]}',
+          'line\nbreak', 'sep\u2028arator', 'nel\u0085', 'é ü 漢字 🙂', '\ud800', 'tab\t', '\\"', '\\u0041']
+
+
+def _stream_lines(chunks, dumps=json.dumps):
+    return "".join("data: " + dumps({"id": "gen-9", "provider": "P", "model": "m", "object": "chat.completion.chunk",
+                                     "created": 1, **c}) + "\n\n" for c in chunks) + "data: [DONE]\n\n"
+
+
+def _expected(chunks):
+    """What a client assembles from text deltas (the semantics the template path must keep)."""
+    deltas = [c["choices"][0]["delta"] for c in chunks if c.get("choices")]
+    content = [d["content"] for d in deltas if isinstance(d.get("content"), str)]
+    reasoning = [d["reasoning"] for d in deltas if isinstance(d.get("reasoning"), str)]
+    return ("".join(content) if content else None), ("".join(reasoning) if reasoning else None)
+
+
+def _unique_lines(chunks):
+    """The same chunks, each line different outside its text (so no template can match)."""
+    return [{**c, "n": i} for i, c in enumerate(chunks)]
+
+
+def test_text_chunks_through_a_template_equal_the_plain_reading():
+    import random
+    rng = random.Random(7)
+    for trial in range(60):
+        chunks = [_delta(role="assistant", content="")]
+        thinking = trial % 2 == 0
+        for _ in range(rng.randint(0, 40)):
+            text = rng.choice(TRICKY) + rng.choice(TRICKY)
+            if thinking and rng.random() < 0.5:
+                chunks.append(_delta(role="assistant", content="", reasoning=text, reasoning_details=[
+                    {"type": "reasoning.text", "text": text, "format": "unknown", "index": 0}]))
+            else:
+                chunks.append(_delta(role="assistant", content=text))
+            if rng.random() < 0.05:  # a chunk of another shape in the middle
+                chunks.append(_delta(role="assistant", content=None, tool_calls=[
+                    {"index": 0, "id": "functions.f:0", "type": "function", "function": {"name": "f", "arguments": text}}]))
+            if rng.random() < 0.05:  # the same shape with another fingerprint
+                chunks.append({**_delta(role="assistant", content=text), "system_fingerprint": "fp2"})
+        chunks.append(_delta(finish="stop", content=""))
+        for dumps in (json.dumps, lambda o: json.dumps(o, ensure_ascii=False)):
+            fast = parse_response(_stream_lines(chunks, dumps))
+            plain = parse_response(_stream_lines(_unique_lines(chunks), dumps))
+            assert fast.ok and (fast.content, fast.reasoning) == _expected(chunks), trial
+            assert (fast.content, fast.reasoning, [(t.id, t.arguments) for t in fast.tool_calls]) == \
+                (plain.content, plain.reasoning, [(t.id, t.arguments) for t in plain.tool_calls])
+
+
+def test_a_line_with_the_templates_literals_but_two_values_is_read_in_full():
+    chunk = _delta(role="assistant", content="a")
+    line = _stream_lines([chunk, chunk, chunk])
+    # the middle line's hole holds `"x","refusal":"y"`: same literals around, but two string tokens
+    forged = line.replace('"content": "a"', '"content": "x", "refusal": "y"', 2).replace('"content": "x", "refusal": "y"', '"content": "a"', 1)
+    p = parse_response(forged)
+    assert p.ok and p.content == "axa"
+
+
+def test_a_raw_line_separator_inside_a_json_string_does_not_cut_the_line():
+    chunks = [_delta(content="one\u2028two"), _delta(content="\u0085three"), _delta(finish="stop", content="")]
+    p = parse_response(_stream_lines(chunks, lambda o: json.dumps(o, ensure_ascii=False)))
+    assert p.ok and p.content == "one\u2028two\u0085three"
+
+
+def test_crlf_and_cr_line_ends():
+    raw = _stream_lines([_delta(content="a"), _delta(content="b"), _delta(content="c"), _delta(finish="stop")])
+    for ending in ("\r\n", "\r"):
+        p = parse_response(raw.replace("\n", ending))
+        assert p.ok and p.content == "abc" and p.finish_reason == "stop"
+
+
+def test_errors_in_templated_streams_are_the_plain_readings_errors():
+    good = [_delta(content="a"), _delta(content="b"), _delta(content="c")]
+    # an invalid escape inside a hole, a chunk that is not an object, then one that is not JSON
+    bad_escape = _stream_lines(good).replace('"content": "b"', '"content": "\\x"')
+    p = parse_response(bad_escape)
+    assert p.error.where == "malformed" and "unparseable body" in p.error.message
+    not_object = _stream_lines(good) .replace("data: [DONE]", "data: [1]\n\ndata: {not json}\n\ndata: [DONE]")
+    p = parse_response(not_object)
+    assert p.error.where == "malformed" and "Expecting property name" in p.error.message  # parse errors first
+    p = parse_response(_stream_lines(good).replace("data: [DONE]", "data: [1]"))
+    assert p.error.where == "malformed" and "not a JSON object" in p.error.message
+
+
+def test_a_template_matches_every_text_line_of_its_shape_and_no_other():
+    from eagledata.tokens.chunk_templates import learn_chunk_template
+    thinking = [_delta(role="assistant", content="", reasoning=t, reasoning_details=[
+        {"type": "reasoning.text", "text": t, "format": "unknown", "index": 0}]) for t in TRICKY]
+    answer = [_delta(role="assistant", content=t) for t in TRICKY]
+    other = [_delta(role="assistant", content=None, tool_calls=[{"index": 0, "function": {"arguments": "x"}}])]
+    lines = _stream_lines(thinking + answer + other, lambda o: json.dumps(o, ensure_ascii=False)).split("\n")
+    first = json.loads(lines[0][6:])
+    template = learn_chunk_template(lines[0][6:], first, {"content": "content", "reasoning": "reasoning", "text": "details"})
+    assert template.kinds == ("content", "reasoning", "details")
+    found, holes = template.match_lines(lines, 0, len(lines))
+    assert found == [2 * i for i in range(len(TRICKY))]  # the thinking lines, not the answer or the tool call
+    assert [json.loads(h) for h in holes[1]] == [json.loads(json.dumps(t)) for t in TRICKY] == \
+        [json.loads(h) for h in holes[2]]
+    # a key spelled twice, or with escapes, gets no template
+    assert learn_chunk_template('{"content":"a","x":{"content":"b"}}', {"content": "a", "x": {"content": "b"}},
+                                {"content": "content"}) is None
+    assert learn_chunk_template('{"con\\u0074ent":"a"}', {"content": "a"}, {"content": "content"}) is None

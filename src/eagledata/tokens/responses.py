@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from eagledata.io import loads_json
+from eagledata.tokens.chunk_templates import ChunkTemplate, learn_chunk_template
 
 
 @dataclass
@@ -145,25 +146,105 @@ def _parse_json(raw: str) -> ParsedResponse:
     return out
 
 
-def _sse_chunks(raw: str) -> tuple[list[Any], bool]:
-    """The JSON payloads of a stream's ``data:`` lines, and whether ``[DONE]`` was among them."""
+def _sse_payloads(lines: list[str]) -> tuple[list[str], bool]:
+    """The payloads of a stream's ``data:`` lines, and whether ``[DONE]`` was among them."""
     done = False
     payloads = []
-    for line in raw.splitlines():
-        if not line.startswith("data:"):
-            continue  # comments (": OPENROUTER PROCESSING"), event:, id:, blank lines
-        data = line[5:].strip()
+    for line in lines:
+        data = _data_payload(line)
         if data == "[DONE]":
             done = True
         elif data:
             payloads.append(data)
+    return payloads, done
+
+
+def _data_payload(line: str) -> str | None:
+    """The payload of a ``data:`` line; None for comments (": OPENROUTER PROCESSING"), ``event:``,
+    ``id:`` and blank lines."""
+    return line[5:].strip() if line.startswith("data:") else None
+
+
+def _parse_payloads(payloads: list[str]) -> list[Any]:
+    """Every payload parsed; raises on the first that is not JSON."""
     try:  # one parse of all chunks is several times faster than one json.loads per chunk
         chunks = loads_json("[" + ",".join(payloads) + "]")
         if len(chunks) != len(payloads):
             raise ValueError("chunk count changed")
     except ValueError:
         chunks = [json.loads(p) for p in payloads]  # raises on the offending chunk
-    return chunks, done
+    return chunks
+
+
+def _read_lines(lines: list[str], start: int, end: int, stream: "_StreamAssembly") -> None:
+    """Fold the ``data:`` lines of ``lines[start:end]`` into ``stream`` in order, until a text chunk
+    teaches a template; the rest is then read by it (:func:`_read_templated`)."""
+    for i in range(start, end):
+        payload = _data_payload(lines[i])
+        if payload == "[DONE]":
+            stream.done = True
+        elif payload:
+            chunk = loads_json(payload)
+            stream.add_chunk(chunk)
+            fields = _text_fields(chunk) if stream.templates_left else None
+            if fields:
+                stream.templates_left -= 1
+                template = learn_chunk_template(payload, chunk, fields)
+                if template is not None:
+                    _read_templated(lines, i + 1, end, template, stream)
+                    return
+
+
+def _read_templated(lines: list[str], start: int, end: int, template: ChunkTemplate,
+                    stream: "_StreamAssembly") -> None:
+    """Fold ``lines[start:end]`` into ``stream``: each line the template matches adds its texts
+    (all decoded in one parse); the other lines between two matches are read by :func:`_read_lines`."""
+    found, holes = template.match_lines(lines, start, end)
+    raw = [token for hole in holes for token in hole]
+    decoded = loads_json("[" + ",".join(raw) + "]") if raw else []
+    n = len(found)
+    per_hole = [(stream.texts[kind], decoded[h * n:(h + 1) * n]) for h, kind in enumerate(template.kinds)]
+    added, prev = 0, start - 1
+    for k, i in enumerate(found + [end]):
+        gap = i - prev
+        if gap > 2 or (gap == 2 and lines[i - 1]):  # a line between two matches that is not blank
+            for into, texts in per_hole:
+                into += texts[added:k]
+            added = k
+            _read_lines(lines, prev + 1, i, stream)
+        prev = i
+    for into, texts in per_hole:
+        into += texts[added:]
+
+
+def _text_fields(chunk: Any) -> dict[str, str] | None:
+    """For a chunk whose only effect on the assembled answer (:meth:`_StreamAssembly.add_chunk`) is
+    text appended, the keys of those texts -> what they are (content, reasoning, details); else None."""
+    if not isinstance(chunk, dict) or chunk.get("usage") or chunk.get("error"):
+        return None
+    choices = chunk.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        return None
+    choice = choices[0]
+    delta = choice.get("delta")
+    if choice.get("finish_reason") or choice.get("error") or not isinstance(delta, dict) or delta.get("tool_calls"):
+        return None
+    fields = {}
+    if isinstance(delta.get("content"), str):
+        fields["content"] = "content"
+    if isinstance(delta.get("reasoning"), str):
+        fields["reasoning"] = "reasoning"
+    elif isinstance(delta.get("reasoning_content"), str):
+        fields["reasoning_content"] = "reasoning"
+    details = delta.get("reasoning_details")
+    if details:
+        texts = [d for d in details if isinstance(d, dict) and isinstance(d.get("text"), str)] \
+            if isinstance(details, list) else []
+        if len(texts) > 1:
+            return None
+        if texts:
+            fields["text"] = "details"
+    return fields or None
 
 
 def _add_tool_call_delta(calls: dict[int, ToolCall], tc: Mapping[str, Any]) -> None:
@@ -181,24 +262,27 @@ def _add_tool_call_delta(calls: dict[int, ToolCall], tc: Mapping[str, Any]) -> N
         call.arguments += args
 
 
-def _parse_sse(raw: str) -> ParsedResponse:
-    out = ParsedResponse(streamed=True)
-    content: list[str] = []
-    reasoning: list[str] = []
-    details_text: list[str] = []
-    saw_content = saw_reasoning = False
-    calls: dict[int, ToolCall] = {}
-    chunks, done = _sse_chunks(raw)
-    gid = provider = model = None
-    for chunk in chunks:
+class _StreamAssembly:
+    """A stream's answer as a client assembles it, one chunk at a time: text deltas concatenated,
+    tool-call deltas merged by index, the last ``usage`` kept."""
+
+    def __init__(self) -> None:
+        self.out = ParsedResponse(streamed=True)
+        self.texts: dict[str, list[str]] = {"content": [], "reasoning": [], "details": []}
+        self.calls: dict[int, ToolCall] = {}
+        self.gid = self.provider = self.model = None
+        self.done = False  # [DONE] seen
+        # at most this many text-chunk templates are learned (a stream whose chunks all differ, say
+        # in a per-chunk timestamp, is then read chunk by chunk)
+        self.templates_left = 8
+
+    def add_chunk(self, chunk: Any) -> None:
         if not isinstance(chunk, dict):
             raise ValueError("stream chunk is not a JSON object")
-        if not gid:
-            gid = chunk.get("id")
-        if not provider:
-            provider = chunk.get("provider")
-        if not model:
-            model = chunk.get("model")
+        out = self.out
+        self.gid = self.gid or chunk.get("id")
+        self.provider = self.provider or chunk.get("provider")
+        self.model = self.model or chunk.get("model")
         usage = chunk.get("usage")
         if usage:
             out.usage = usage
@@ -207,38 +291,66 @@ def _parse_sse(raw: str) -> ParsedResponse:
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta")
             if delta:
-                text = delta.get("content")
-                if isinstance(text, str):
-                    saw_content = True
-                    content.append(text)
-                text = delta.get("reasoning")
-                if not isinstance(text, str):
-                    text = delta.get("reasoning_content")
-                if isinstance(text, str):
-                    saw_reasoning = True
-                    reasoning.append(text)
-                details = delta.get("reasoning_details")
-                if details:
-                    dt = _reasoning_from_details(details)
-                    if dt is not None:
-                        details_text.append(dt)
-                for tc in delta.get("tool_calls") or ():
-                    _add_tool_call_delta(calls, tc)
+                self._add_delta(delta)
             if choice.get("finish_reason"):
                 out.finish_reason = choice["finish_reason"]
                 out.native_finish_reason = choice.get("native_finish_reason")
             if choice.get("error"):
                 out.error = _error_from(choice["error"], "stream")
-    out.generation_id, out.provider, out.model = gid or None, provider or None, model or None
-    out.content = "".join(content) if saw_content else None
-    if saw_reasoning:
-        out.reasoning = "".join(reasoning)
-    elif details_text:
-        out.reasoning = "".join(details_text)
-    out.tool_calls = [calls[i] for i in sorted(calls)]
-    if out.error is None and not done and out.finish_reason is None:
-        out.error = ResponseError("stream_incomplete", "stream ended without finish_reason or [DONE]", "stream")
-    return out
+
+    def _add_delta(self, delta: Mapping[str, Any]) -> None:
+        text = delta.get("content")
+        if isinstance(text, str):
+            self.texts["content"].append(text)
+        text = delta.get("reasoning")
+        if not isinstance(text, str):
+            text = delta.get("reasoning_content")
+        if isinstance(text, str):
+            self.texts["reasoning"].append(text)
+        details = delta.get("reasoning_details")
+        if details:
+            dt = _reasoning_from_details(details)
+            if dt is not None:
+                self.texts["details"].append(dt)
+        for tc in delta.get("tool_calls") or ():
+            _add_tool_call_delta(self.calls, tc)
+
+    def result(self) -> ParsedResponse:
+        out, texts = self.out, self.texts
+        out.generation_id, out.provider, out.model = self.gid or None, self.provider or None, self.model or None
+        # a text seen at all, even empty, is a text ("" and None differ)
+        out.content = "".join(texts["content"]) if texts["content"] else None
+        if texts["reasoning"]:
+            out.reasoning = "".join(texts["reasoning"])
+        elif texts["details"]:
+            out.reasoning = "".join(texts["details"])
+        out.tool_calls = [self.calls[i] for i in sorted(self.calls)]
+        if out.error is None and not self.done and out.finish_reason is None:
+            out.error = ResponseError("stream_incomplete", "stream ended without finish_reason or [DONE]", "stream")
+        return out
+
+
+def _parse_sse(raw: str) -> ParsedResponse:
+    """Lines end at CRLF, CR or LF, as the SSE format says (``str.splitlines`` would also cut a line
+    at a U+2028 or U+0085 that JSON allows raw inside a string). Text chunks are read through their
+    stream's template (:mod:`eagledata.tokens.chunk_templates`); a stream that cannot be read whole
+    that way (a chunk that is not JSON, not an object...) is read again the plain way, every chunk
+    parsed before any is folded, so its error is the one the plain reading reports."""
+    if "\r" in raw:
+        raw = raw.replace("\r\n", "\n").replace("\r", "\n")
+    lines = raw.split("\n")
+    stream = _StreamAssembly()
+    try:
+        _read_lines(lines, 0, len(lines), stream)
+        return stream.result()
+    except (ValueError, TypeError, AttributeError):
+        pass
+    payloads, done = _sse_payloads(lines)
+    stream = _StreamAssembly()
+    stream.done = done
+    for chunk in _parse_payloads(payloads):
+        stream.add_chunk(chunk)
+    return stream.result()
 
 
 def _parse_sglang_native(body: dict) -> ParsedResponse:

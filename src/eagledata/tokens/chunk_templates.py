@@ -1,0 +1,132 @@
+"""Text-only stream chunks read without parsing them: a stream's chunk template.
+
+A streamed answer of 3,000 tokens is about 1,000 ``data:`` lines that differ only in one text
+value (``delta.content``, ``delta.reasoning``...). Turning each into Python objects was most of
+the tokens stage's time on drafter-sized samples. A :class:`ChunkTemplate` is one such line cut at
+its text values: the literal JSON around them (``literals``) and what each value is (``kinds``).
+:meth:`ChunkTemplate.match_lines` finds the lines of a stream that are ``data: `` and the same
+literals around one JSON string token per hole, and returns those raw tokens; only they are decoded
+(all of a stream's in one parse).
+
+Why a matched line means the template's chunk with other text values: JSON is lexed left to right.
+The line's payload starts with the template line's first literal, so it is lexed the same up to
+the first hole, where the lexer stands outside any string (the template line's hole starts a string
+there). The hole is exactly one string token (the lexer ends a string at the first unescaped quote,
+as the pattern does), so the lexer stands outside a string again where the next literal starts,
+and so on to the end. The line's tokens are the template line's with other string tokens at the
+holes, so its parse is the template line's parse with other values there. Escapes inside a hole
+are checked when the holes are decoded (an invalid one fails the decode).
+
+:func:`learn_chunk_template` learns a template from a line parsed in full. It refuses a line where
+a text value's key occurs more than once (so the key's raw token is the parsed key), and checks
+its work once: the line with every hole emptied must parse to the chunk with those values emptied.
+
+Written here rather than taken from a library: JSON libraries (orjson, msgspec) parse whole
+documents, and building those documents' objects is the cost this avoids.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from eagledata.io import loads_json
+
+# One JSON string token as it appears raw: it ends at the first quote not escaped by a backslash.
+# Control characters (line breaks among them) are not JSON inside a string; the decode would refuse
+# them, and the holes of many lines are checked joined by line breaks.
+_STRING = r'"[^"\\\x00-\x1f]*(?:\\[^\x00-\x1f][^"\\\x00-\x1f]*)*"'
+_STRING_TOKEN = re.compile(_STRING)
+_JSON_SPACE = " \t\r\n"
+
+
+@functools.lru_cache(maxsize=64)
+def _middle_patterns(inner: tuple[str, ...]) -> tuple[re.Pattern, re.Pattern]:
+    """What lies between a template line's first and last literal: one string token per hole with
+    the ``inner`` literals between them, as one line (holes captured) and as one of many lines
+    joined by line breaks. The inner literals are the same in every stream (keys, not ids), so
+    these are compiled once."""
+    middle = "".join(f"({_STRING}){re.escape(lit)}" for lit in inner) + f"({_STRING})"
+    return re.compile(middle), re.compile(middle + "\n")
+
+
+@dataclass(frozen=True)
+class ChunkTemplate:
+    """A chunk line cut at its text values: ``literals[0] hole literals[1] ... hole literals[-1]``;
+    ``kinds[i]`` names what hole ``i`` holds."""
+
+    literals: tuple[str, ...]
+    kinds: tuple[str, ...]
+
+    def match_lines(self, lines: Sequence[str], start: int, end: int) -> tuple[list[int], list[list[str]]]:
+        """The indices of the lines in ``lines[start:end]`` that are ``data: `` lines of this
+        template, each being ``data: `` and the literals around one JSON string token per hole, and
+        those tokens, hole by hole (``holes[h][j]`` is hole ``h`` of the ``j``-th matched line)."""
+        head, tail = "data: " + self.literals[0], self.literals[-1]
+        first, last = len(head), len(tail)
+        head_q, q_tail = head + '"', '"' + tail
+        found = [i for i, line in enumerate(lines[start:end], start) if line.startswith(head_q) and line.endswith(q_tail)]
+        middles = [lines[i][first:len(lines[i]) - last] for i in found]
+        one, joined = _middle_patterns(self.literals[1:-1])
+        width = len(self.kinds) + 1
+        parts = joined.split("\n".join(middles) + "\n") if middles else [""]
+        if len(parts) == len(middles) * width + 1 and not any(parts[0::width]):
+            return found, [parts[h::width] for h in range(1, width)]
+        matches = [one.fullmatch(m) for m in middles]  # some line is not (rare): check each
+        kept = [(i, m.groups()) for i, m in zip(found, matches) if m is not None]
+        return [i for i, _ in kept], [[g[h] for _, g in kept] for h in range(width - 1)]
+
+
+def learn_chunk_template(payload: str, chunk: Any, fields: Mapping[str, str]) -> ChunkTemplate | None:
+    """The template of ``payload`` (whose parse is ``chunk``) with a hole at the string value of
+    each key in ``fields`` (key -> kind); ``None`` when a key occurs more than once anywhere in the
+    chunk, its raw token is spelled with escapes, or its value is not a string token."""
+    counts: dict[str, int] = {}
+    _count_keys(chunk, counts)
+    if not fields or any(counts.get(key) != 1 for key in fields):
+        return None
+    spans: dict[str, tuple[int, int]] = {}
+    tokens = list(_STRING_TOKEN.finditer(payload))
+    for key_token, value_token in zip(tokens, tokens[1:]):
+        name = key_token.group()[1:-1]
+        if name in fields and payload[key_token.end():value_token.start()].strip(_JSON_SPACE) == ":":
+            spans[name] = value_token.span()
+    if len(spans) != len(fields):
+        return None
+    order = sorted(spans, key=lambda k: spans[k][0])
+    cuts = [0] + [i for k in order for i in spans[k]] + [len(payload)]
+    template = ChunkTemplate(tuple(payload[a:b] for a, b in zip(cuts[0::2], cuts[1::2])),
+                             tuple(fields[k] for k in order))
+    expected = copy.deepcopy(chunk)
+    _empty_values(expected, fields)
+    try:
+        if loads_json('""'.join(template.literals)) != expected:
+            return None
+    except ValueError:
+        return None
+    return template
+
+
+def _count_keys(obj: Any, counts: dict[str, int]) -> None:
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            counts[key] = counts.get(key, 0) + 1
+            _count_keys(value, counts)
+    elif isinstance(obj, list):
+        for value in obj:
+            _count_keys(value, counts)
+
+
+def _empty_values(obj: Any, keys: Mapping[str, str]) -> None:
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if key in keys:
+                obj[key] = ""
+            else:
+                _empty_values(value, keys)
+    elif isinstance(obj, list):
+        for value in obj:
+            _empty_values(value, keys)
