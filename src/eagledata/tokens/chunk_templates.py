@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -68,7 +69,8 @@ class ChunkTemplate:
         head, tail = "data: " + self.literals[0], self.literals[-1]
         first, last = len(head), len(tail)
         head_q, q_tail = head + '"', '"' + tail
-        found = [i for i, line in enumerate(lines[start:end], start) if line.startswith(head_q) and line.endswith(q_tail)]
+        starts = itertools.compress(range(start, end), map(str.startswith, lines[start:end], itertools.repeat(head_q)))
+        found = [i for i in starts if lines[i].endswith(q_tail)]
         middles = [lines[i][first:len(lines[i]) - last] for i in found]
         one, joined = _middle_patterns(self.literals[1:-1])
         width = len(self.kinds) + 1
