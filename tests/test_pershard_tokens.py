@@ -3,6 +3,7 @@ verdicts and shard files as the one-job stage; slices left untouched when unchan
 per-shard summaries only; one new response rebuilds one shard's reconstruction (real snakemake)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -133,6 +134,56 @@ def test_plan_sorted_in_runs_on_disk_is_the_plan_sorted_in_memory(tmp_path, monk
     a, b = sorted((tmp_path / "one" / "slices").iterdir()), sorted((tmp_path / "runs" / "slices").iterdir())
     assert [p.name for p in a] == [p.name for p in b] and all(x.read_bytes() == y.read_bytes() for x, y in zip(a, b))
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["slices", "where"]
+
+
+@needs_recorded
+def test_plan_read_in_parallel_ranges_is_the_plan_read_in_one_process(tmp_path, monkeypatch):
+    """A responses file read by 3 spawned processes (byte ranges cut at line starts) gives the same
+    plan and slices, byte for byte, as one process: blank lines, records without an id (named after
+    their global line), CRLF line ends and ids sorted in runs on disk included."""
+    from eagledata.tokens import planscan
+    records = _records(120)
+    for i in (5, 61, 118):
+        del records[i]["id"]
+    src = tmp_path / "responses.jsonl"
+    src.write_text("\n".join(json.dumps(r) + ("\r" if i % 9 == 0 else "") + ("\n" if i % 17 == 0 else "")
+                             for i, r in enumerate(records)) + "\n", encoding="utf-8")
+    one = ps.plan_shards(src, tmp_path / "one.json", tmp_path / "one" / "slices", "ds", 10, workers=3)
+    monkeypatch.setattr(planscan, "MIN_BYTES_PER_WORKER", 1)
+    monkeypatch.setattr(ps, "RUN_ROWS", 16)
+    scan = planscan.RecordScan(src, "ds", tmp_path, workers=3)
+    assert len(list(scan.entries())) == 120 and scan.processes == 3
+    three = ps.plan_shards(src, tmp_path / "three.json", tmp_path / "three" / "slices", "ds", 10, workers=3)
+    assert three == one and one["source_sha256"] == hashlib.sha256(src.read_bytes()).hexdigest()
+    lines = src.read_text(encoding="utf-8").split("\n")
+    no_id = sorted(f"ds-{n:06d}" for n, line in enumerate(lines, 1) if line.strip() and "id" not in json.loads(line))
+    named = sorted(json.loads(line.split("\t")[0]) for p in (tmp_path / "one" / "slices").iterdir()
+                   for line in p.read_text().splitlines() if line.startswith('"ds-'))
+    assert len(no_id) == 3 and named == no_id
+    for kind in ("slices", "where"):
+        a, b = sorted((tmp_path / "one" / kind).iterdir()), sorted((tmp_path / "three" / kind).iterdir())
+        assert [p.name for p in a] == [p.name for p in b] and all(x.read_bytes() == y.read_bytes() for x, y in zip(a, b))
+    assert sorted(p.name for p in (tmp_path / "three").iterdir()) == ["slices", "where"]
+
+
+@needs_recorded
+@pytest.mark.parametrize("bad_line", [2, 70, 119])
+def test_parallel_plan_refuses_a_bad_record_as_one_process_does(tmp_path, monkeypatch, bad_line):
+    """The first bad record in file order, whichever range it falls in, is refused with the one-process
+    message and its global line number."""
+    from eagledata.tokens import planscan
+    records = _records(120)
+    src = tmp_path / "responses.jsonl"
+    lines = [json.dumps(r) for r in records]
+    lines[bad_line - 1] = lines[bad_line - 1][:-3]  # cut: not JSON
+    lines[min(bad_line + 30, 119)] = json.dumps({"id": "x", "response_raw": ""})  # a later bad record: not reported
+    src.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with pytest.raises(ps.ResponsesFileError) as one:
+        ps.plan_shards(src, tmp_path / "plan.json", tmp_path / "slices", "ds", 10)
+    monkeypatch.setattr(planscan, "MIN_BYTES_PER_WORKER", 1)
+    with pytest.raises(ps.ResponsesFileError) as three:
+        ps.plan_shards(src, tmp_path / "plan.json", tmp_path / "slices", "ds", 10, workers=3)
+    assert str(three.value) == str(one.value) and str(one.value).startswith(f"{src}:{bad_line}:(json): invalid JSON")
 
 
 @needs_recorded

@@ -152,20 +152,32 @@ def iter_json_lines_at(path: str | Path, error: type[Exception], what: str = "fi
             if on_bytes is not None:
                 on_bytes(raw)
             where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise error(f"{where}:(line): not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
-            if not line.strip():
-                continue
-            text = line.rstrip("\r\n")
-            try:
-                value = loads_json(text)
-            except json.JSONDecodeError as exc:
-                raise error(f"{where}:(json): invalid JSON: {exc.msg} at {error_column(text, exc.pos)}") from None
-            if objects_only and not isinstance(value, dict):
-                raise error(f"{where}: a line must be a JSON object, got {type(value).__name__}")
-            yield lineno, offset, where, value
+            value = json_line_value(raw, where, error, objects_only)
+            if value is not BLANK_LINE:
+                yield lineno, offset, where, value
+
+
+#: what :func:`json_line_value` returns for a blank line
+BLANK_LINE = object()
+
+
+def json_line_value(raw: bytes, where: str, error: type[Exception], objects_only: bool = True) -> Any:
+    """The value of one line's bytes (``where`` is its "FILE:LINE"); :data:`BLANK_LINE` for a blank line. Raises
+    ``error`` for a line that is not UTF-8 or not JSON, or (with ``objects_only``) not an object."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(f"{where}:(line): not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+    if not line.strip():
+        return BLANK_LINE
+    text = line.rstrip("\r\n")
+    try:
+        value = loads_json(text)
+    except json.JSONDecodeError as exc:
+        raise error(f"{where}:(json): invalid JSON: {exc.msg} at {error_column(text, exc.pos)}") from None
+    if objects_only and not isinstance(value, dict):
+        raise error(f"{where}: a line must be a JSON object, got {type(value).__name__}")
+    return value
 
 
 def error_column(text: str, pos: int) -> str:

@@ -54,10 +54,10 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import polars as pl
 
-from eagledata.io import atomic_path, atomic_write_json, iter_json_lines_at, loads_json, replace_unless_same, sha256_file
+from eagledata.io import atomic_path, atomic_write_json, loads_json, replace_unless_same, sha256_file
 from eagledata.text.families import ModelFamily
 from eagledata.text.tokenizer import Tokenizer
-from eagledata.tokens.samples import record_id
+from eagledata.tokens.planscan import Entry, RecordScan
 from eagledata.tokens import summaries
 from eagledata.tokens.planfile import plan_keys, read_plan
 from eagledata.tokens.checks import SampleStats, repairable
@@ -108,7 +108,7 @@ RUN_ROWS = 16384
 
 
 def plan_shards(responses_path: str | Path, plan_path: str | Path, slices_dir: str | Path, dataset: str,
-                shard_size: int) -> dict[str, Any]:
+                shard_size: int, workers: int = 1) -> dict[str, Any]:
     """Write the plan and the slices (see the module docstring); return the plan. Memory does not grow
     with the dataset: the ids are sorted in runs of :data:`RUN_ROWS` on disk and merged, twice (the
     first merge refuses a duplicate id before any slice is written, and cuts the shards)."""
@@ -119,7 +119,7 @@ def plan_shards(responses_path: str | Path, plan_path: str | Path, slices_dir: s
     for d in (slices, where):
         d.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".runs-", dir=slices.parent) as tmp:
-        runs, rows, digest = _sorted_id_runs(responses_path, dataset, Path(tmp))
+        runs, rows, digest = _sorted_id_runs(responses_path, dataset, Path(tmp), workers)
         cuts = _shard_cuts(_merged(runs), responses_path, shard_size)
         shards, written, keys = [], 0, set()
         for first_id, n, group in _grouped(_merged(runs), cuts):
@@ -144,28 +144,19 @@ def plan_shards(responses_path: str | Path, plan_path: str | Path, slices_dir: s
     return {**plan, "slices_written": written}
 
 
-_Entry = tuple[str, int, int, int, str]  # (id, line number, byte offset, length, sha256 of the line)
+_Entry = Entry  # (id, line number, byte offset, length, sha256 of the line): planscan.Entry
 
 
-def _sorted_id_runs(responses_path: str | Path, dataset: str, tmp: Path) -> tuple[list, int, str]:
-    """One read of the responses (every record checked as the one-job stage checks it): the runs of
-    id-sorted entries (a list in memory when there is one, else files in ``tmp``), the number of
-    records and the file's sha256."""
-    digest = hashlib.sha256()
-    last: list[bytes] = [b""]
-
-    def seen(raw: bytes) -> None:
-        digest.update(raw)
-        last[0] = raw
-
+def _sorted_id_runs(responses_path: str | Path, dataset: str, tmp: Path, workers: int) -> tuple[list, int, str]:
+    """One read of the responses (every record checked as the one-job stage checks it; in up to
+    ``workers`` processes, :mod:`eagledata.tokens.planscan`): the runs of id-sorted entries (a list
+    in memory when there is one, else files in ``tmp``), the number of records and the file's sha256."""
+    scan = RecordScan(responses_path, dataset, tmp, workers)
     runs: list = []
     buf: list[_Entry] = []
     rows = 0
-    for lineno, offset, where, rec in iter_json_lines_at(responses_path, ResponsesFileError, "responses file",
-                                                          on_bytes=seen):
-        line = last[0].rstrip(b"\r\n")
-        buf.append((record_id(checked_record(rec, where), f"{dataset}-{lineno:06d}"), lineno, offset, len(line),
-                    hashlib.sha256(line).hexdigest()))
+    for entry in scan.entries():
+        buf.append(entry)
         rows += 1
         if len(buf) >= RUN_ROWS:
             runs.append(_spill(sorted(buf), tmp / f"run-{len(runs):05d}.tsv"))
@@ -174,7 +165,8 @@ def _sorted_id_runs(responses_path: str | Path, dataset: str, tmp: Path) -> tupl
         runs.append(sorted(buf))  # one run: no file
     elif buf:
         runs.append(_spill(sorted(buf), tmp / f"run-{len(runs):05d}.tsv"))
-    return runs, rows, digest.hexdigest()
+    log.info("%s: %d records read in %d process(es)", responses_path, rows, scan.processes)
+    return runs, rows, scan.sha256
 
 
 def _spill(entries: list[_Entry], path: Path) -> Path:

@@ -1,0 +1,152 @@
+"""The plan's one read of a responses file, in parallel byte ranges when it is large.
+
+The plan (:func:`eagledata.tokens.pershard.plan_shards`) checks every record as the one-job stage
+checks it and needs, of each, its id, line number, byte offset, length and the sha256 of its line,
+and the file's sha256 (the manifest's ``source_sha256``). :class:`RecordScan` gives those:
+
+- in one pass in this process for a small file (or ``workers=1``);
+- else ``workers`` spawned processes each read one byte range of the file (cut at line starts) and
+  write those fields to a scratch file, while this process hashes the whole file (sha256 releases
+  the GIL, so both run at once); the scratch files are then read in file order with their line
+  numbers made global. At drafter-training size (hundreds of GB of streamed bodies) the
+  one-process read was the stage's longest sequential step.
+
+The results are the same either way: a record without an id gets ``{dataset}-{line:06d}`` from its
+global line, and the first bad record in file order is refused with the message the one-process
+read gives (the same text, the same global line). Processes are spawned, not forked: forking a
+process that has run polars' threads can deadlock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Iterator
+
+from eagledata.io import BLANK_LINE, ResponsesFileError, json_line_value, sha256_file
+from eagledata.tokens.shards import checked_record
+
+#: (id, line number, byte offset, length without the line break, sha256 of the line)
+Entry = tuple[str, int, int, int, str]
+#: a worker reads at least this many bytes (it costs about a job's start to spawn one)
+MIN_BYTES_PER_WORKER = 64 << 20
+
+
+class RecordScan:
+    """Iterate :meth:`entries` once (file order); then :attr:`sha256` is the file's sha256 and
+    :attr:`processes` says how many processes read it."""
+
+    def __init__(self, path: str | Path, dataset: str, scratch: str | Path, workers: int = 1) -> None:
+        self.path, self.dataset, self.scratch = Path(path), dataset, Path(scratch)
+        try:
+            size = self.path.stat().st_size
+        except OSError as exc:
+            raise ResponsesFileError(f"{self.path}: cannot read responses file: {exc.strerror or exc}") from None
+        self.processes = max(1, min(workers, size // MIN_BYTES_PER_WORKER))
+        self.sha256: str | None = None
+
+    def entries(self) -> Iterator[Entry]:
+        return self._one_process() if self.processes == 1 else self._in_ranges()
+
+    def _one_process(self) -> Iterator[Entry]:
+        digest = hashlib.sha256()
+        for lineno, offset, raw in _range_lines(self.path, 0, None):
+            digest.update(raw)
+            entry = _entry(self.path, lineno, offset, raw)
+            if entry is not None:
+                yield self._with_id(entry, entry[1])
+        self.sha256 = digest.hexdigest()
+
+    def _in_ranges(self) -> Iterator[Entry]:
+        cuts = _line_starts(self.path, self.processes)
+        outs = [self.scratch / f"scan-{i:04d}.tsv" for i in range(len(cuts) - 1)]
+        with ProcessPoolExecutor(len(outs), mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = [pool.submit(scan_range, str(self.path), a, b, str(out))
+                       for a, b, out in zip(cuts, cuts[1:], outs)]
+            self.sha256 = sha256_file(self.path)  # meanwhile
+            results = [f.result() for f in futures]
+        bases, base = [], 0
+        for lines, error in results:
+            if error is not None:
+                line, message = error
+                local = f"{self.path}:{line}"
+                raise ResponsesFileError(f"{self.path}:{base + line}{message[len(local):]}")
+            bases.append(base)
+            base += lines
+        for out, base in zip(outs, bases):
+            with open(out, encoding="utf-8") as fh:
+                for row in fh:
+                    sid, lineno, offset, length, sha = row.rstrip("\n").split("\t")
+                    line = base + int(lineno)
+                    yield self._with_id((json.loads(sid), line, int(offset), int(length), sha), line)
+            out.unlink()
+
+    def _with_id(self, entry: tuple, line: int) -> Entry:
+        sid = entry[0] if entry[0] is not None else f"{self.dataset}-{line:06d}"
+        return (sid, line, *entry[2:])
+
+
+def scan_range(path: str, start: int, end: int, out: str) -> tuple[int, tuple[int, str] | None]:
+    """One worker's range of ``path`` (the lines starting in ``[start, end)``) -> ``out``, a row per
+    record (``json(id or null) TAB line in the range TAB offset TAB length TAB sha256``). Returns the
+    number of lines read and, for a bad record, ``(its line in the range, the error's message)``
+    (the range is not read further)."""
+    lines = 0
+    with open(out, "w", encoding="utf-8") as fh:
+        for lines, offset, raw in _range_lines(Path(path), start, end):
+            try:
+                entry = _entry(Path(path), lines, offset, raw)
+            except ResponsesFileError as exc:
+                return lines, (lines, str(exc))
+            if entry is not None:
+                sid, lineno, offset, length, sha = entry
+                fh.write(f"{json.dumps(sid)}\t{lineno}\t{offset}\t{length}\t{sha}\n")
+    return lines, None
+
+
+def _range_lines(path: Path, start: int, end: int | None) -> Iterator[tuple[int, int, bytes]]:
+    """(line number counted from ``start``, byte offset, bytes) of each line starting in ``[start, end)``."""
+    with open(path, "rb") as fh:
+        fh.seek(start)
+        pos = start
+        for lineno, raw in enumerate(fh, 1):
+            if end is not None and pos >= end:
+                return
+            yield lineno, pos, raw
+            pos += len(raw)
+
+
+def _entry(path: Path, lineno: int, offset: int, raw: bytes) -> tuple | None:
+    """A record line's entry (its id None when it has none); None for a blank line. Raises
+    :class:`ResponsesFileError` for a bad record, as the one-job stage does."""
+    where = f"{path}:{lineno}"
+    rec = json_line_value(raw, where, ResponsesFileError)
+    if rec is BLANK_LINE:
+        return None
+    rid = checked_record(rec, where).get("id")
+    line = raw.rstrip(b"\r\n")
+    return (str(rid) if rid is not None else None), lineno, offset, len(line), hashlib.sha256(line).hexdigest()
+
+
+def _line_starts(path: Path, parts: int) -> list[int]:
+    """``parts`` + 1 byte offsets from 0 to the file's size, each inner one at a line's start (ranges
+    that would be empty are dropped)."""
+    size = path.stat().st_size
+    cuts = [0]
+    with open(path, "rb") as fh:
+        for i in range(1, parts):
+            fh.seek(max(cuts[-1], size * i // parts))
+            if fh.tell() > 0:
+                fh.seek(fh.tell() - 1)
+                fh.readline()  # to the end of the line the guess falls in (or of the previous one)
+            pos = fh.tell()
+            if cuts[-1] < pos < size:
+                cuts.append(pos)
+    return cuts + [size]
+
+
+__all__ = ["Entry", "MIN_BYTES_PER_WORKER", "RecordScan", "scan_range"]
