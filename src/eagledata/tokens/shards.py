@@ -316,17 +316,11 @@ def with_verdicts(df: pl.DataFrame, stats: Sequence[SampleStats], judged: Sequen
     """A scratch part with its verdict columns (its first row is sample ``start`` of ``stats``/``judged``)."""
     cols: dict[str, list] = {k: [] for k in ("completion_diff", "prompt_diff", "verdict", "completion_verdict",
                                              "prompt_verdict", "prompt_variant", "reasons", "train", "repair")}
-    input_ids = df["input_ids"].to_list()
-    segments = df["segments"].to_list()
-    completion_len = df["completion_len"].to_list()
-    reasoning_len = df["reasoning_len"].to_list()
+    repaired = {}
     for row in range(df.height):
         st, j = stats[start + row], judged[start + row]
         if j.repair is not None and j.repair.chosen is not None:
-            rc = j.repair.chosen
-            input_ids[row] = input_ids[row][: st.prompt_len] + rc.ids
-            segments[row] = json.dumps([seg.to_dict() for seg in rc.segments], ensure_ascii=False)
-            completion_len[row], reasoning_len[row] = len(rc.ids), rc.reasoning_tokens
+            repaired[row] = (st, j.repair.chosen)
         cols["completion_diff"].append(j.completion_diff)
         cols["prompt_diff"].append(st.prompt_diff)
         c_verdict, p_verdict = completion_verdict(j.reasons), prompt_verdict(st)
@@ -338,10 +332,7 @@ def with_verdicts(df: pl.DataFrame, stats: Sequence[SampleStats], judged: Sequen
         cols["train"].append(admitted.admits(c_verdict, p_verdict))
         cols["repair"].append(json.dumps(j.evidence) if j.evidence else None)
     return df.with_columns(
-        pl.Series("input_ids", input_ids, dtype=pl.List(pl.Int64)),
-        pl.Series("segments", segments, dtype=pl.Utf8),
-        pl.Series("completion_len", completion_len, dtype=pl.Int32),
-        pl.Series("reasoning_len", reasoning_len, dtype=pl.Int32),
+        *_repaired_columns(df, repaired),
         pl.Series("completion_diff", cols["completion_diff"], dtype=pl.Int64),
         pl.Series("prompt_diff", cols["prompt_diff"], dtype=pl.Int64),
         pl.Series("verdict", cols["verdict"], dtype=pl.Utf8),
@@ -352,6 +343,24 @@ def with_verdicts(df: pl.DataFrame, stats: Sequence[SampleStats], judged: Sequen
         pl.Series("train", cols["train"], dtype=pl.Boolean),
         pl.Series("repair", cols["repair"], dtype=pl.Utf8),
     )
+
+
+_REPAIRABLE_COLUMNS = {"input_ids": pl.List(pl.Int64), "segments": pl.Utf8, "completion_len": pl.Int32,
+                       "reasoning_len": pl.Int32}
+
+
+def _repaired_columns(df: pl.DataFrame, repaired: Mapping[int, tuple[SampleStats, Any]]) -> list:
+    """The columns a chosen repair replaces, with the repaired rows' values (row -> (stats, chosen
+    repair)). Without a repair in ``df`` they are cast, not rebuilt: turning every id into a Python
+    int and back was most of judging's time."""
+    if not repaired:
+        return [pl.col(name).cast(dtype) for name, dtype in _REPAIRABLE_COLUMNS.items()]
+    values = {name: df[name].to_list() for name in _REPAIRABLE_COLUMNS}
+    for row, (st, rc) in repaired.items():
+        values["input_ids"][row] = values["input_ids"][row][: st.prompt_len] + rc.ids
+        values["segments"][row] = json.dumps([seg.to_dict() for seg in rc.segments], ensure_ascii=False)
+        values["completion_len"][row], values["reasoning_len"][row] = len(rc.ids), rc.reasoning_tokens
+    return [pl.Series(name, values[name], dtype=dtype) for name, dtype in _REPAIRABLE_COLUMNS.items()]
 
 
 def publish_shard(src: Path, dst: Path, sha: str) -> None:
