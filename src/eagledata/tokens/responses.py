@@ -272,9 +272,10 @@ class _StreamAssembly:
         self.calls: dict[int, ToolCall] = {}
         self.gid = self.provider = self.model = None
         self.done = False  # [DONE] seen
-        # at most this many text-chunk templates are learned (a stream whose chunks all differ, say
-        # in a per-chunk timestamp, is then read chunk by chunk)
-        self.templates_left = 8
+        # at most this many text-chunk templates are learned: a thinking stream needs two (reasoning,
+        # then content); one that matches nothing costs a scan of the rest of the stream, so a stream
+        # whose chunks all differ (say in a per-chunk timestamp) is soon read chunk by chunk
+        self.templates_left = 4
 
     def add_chunk(self, chunk: Any) -> None:
         if not isinstance(chunk, dict):
