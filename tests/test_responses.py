@@ -127,7 +127,7 @@ def test_text_chunks_through_a_template_equal_the_plain_reading():
     for trial in range(60):
         chunks = [_delta(role="assistant", content="")]
         thinking = trial % 2 == 0
-        for _ in range(rng.randint(0, 40)):
+        for _ in range(rng.randint(0, 40) if trial % 3 == 0 else rng.randint(40, 90)):  # short: the plain reading
             text = rng.choice(TRICKY) + rng.choice(TRICKY)
             if thinking and rng.random() < 0.5:
                 chunks.append(_delta(role="assistant", content="", reasoning=text, reasoning_details=[
@@ -150,7 +150,7 @@ def test_text_chunks_through_a_template_equal_the_plain_reading():
 
 def test_a_line_with_the_templates_literals_but_two_values_is_read_in_full():
     chunk = _delta(role="assistant", content="a")
-    line = _stream_lines([chunk, chunk, chunk])
+    line = _stream_lines([chunk, chunk, chunk] + [_delta(role="assistant", content="")] * 60)
     # the middle line's hole holds `"x","refusal":"y"`: same literals around, but two string tokens
     forged = line.replace('"content": "a"', '"content": "x", "refusal": "y"', 2).replace('"content": "x", "refusal": "y"', '"content": "a"', 1)
     p = parse_response(forged)
@@ -158,20 +158,20 @@ def test_a_line_with_the_templates_literals_but_two_values_is_read_in_full():
 
 
 def test_a_raw_line_separator_inside_a_json_string_does_not_cut_the_line():
-    chunks = [_delta(content="one\u2028two"), _delta(content="\u0085three"), _delta(finish="stop", content="")]
+    chunks = [_delta(content="one\u2028two"), _delta(content="\u0085three")] + [_delta(content="")] * 60 + [_delta(finish="stop", content="")]
     p = parse_response(_stream_lines(chunks, lambda o: json.dumps(o, ensure_ascii=False)))
     assert p.ok and p.content == "one\u2028two\u0085three"
 
 
 def test_crlf_and_cr_line_ends():
-    raw = _stream_lines([_delta(content="a"), _delta(content="b"), _delta(content="c"), _delta(finish="stop")])
+    raw = _stream_lines([_delta(content="a"), _delta(content="b"), _delta(content="c")] + [_delta(content="")] * 60 + [_delta(finish="stop")])
     for ending in ("\r\n", "\r"):
         p = parse_response(raw.replace("\n", ending))
         assert p.ok and p.content == "abc" and p.finish_reason == "stop"
 
 
 def test_errors_in_templated_streams_are_the_plain_readings_errors():
-    good = [_delta(content="a"), _delta(content="b"), _delta(content="c")]
+    good = [_delta(content="a"), _delta(content="b"), _delta(content="c")] + [_delta(content="")] * 60  # long: templated
     # an invalid escape inside a hole, a chunk that is not an object, then one that is not JSON
     bad_escape = _stream_lines(good).replace('"content": "b"', '"content": "\\x"')
     p = parse_response(bad_escape)

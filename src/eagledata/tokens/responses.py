@@ -331,6 +331,10 @@ class _StreamAssembly:
         return out
 
 
+# a shorter stream is read the plain way: learning a template costs about what parsing 20 chunks does
+_TEMPLATED_LINES = 80
+
+
 def _parse_sse(raw: str) -> ParsedResponse:
     """Lines end at CRLF, CR or LF, as the SSE format says (``str.splitlines`` would also cut a line
     at a U+2028 or U+0085 that JSON allows raw inside a string). Text chunks are read through their
@@ -340,12 +344,13 @@ def _parse_sse(raw: str) -> ParsedResponse:
     if "\r" in raw:
         raw = raw.replace("\r\n", "\n").replace("\r", "\n")
     lines = raw.split("\n")
-    stream = _StreamAssembly()
-    try:
-        _read_lines(lines, 0, len(lines), stream)
-        return stream.result()
-    except (ValueError, TypeError, AttributeError):
-        pass
+    if len(lines) >= _TEMPLATED_LINES:
+        stream = _StreamAssembly()
+        try:
+            _read_lines(lines, 0, len(lines), stream)
+            return stream.result()
+        except (ValueError, TypeError, AttributeError):
+            pass
     payloads, done = _sse_payloads(lines)
     stream = _StreamAssembly()
     stream.done = done
