@@ -6,7 +6,7 @@ from pathlib import Path
 from eagledata.codeinputs import package_dir_for, stage_code
 from eagledata.config import dataset_settings, validate_config
 from eagledata.generate.ruleinputs import GenerateRuleInputs
-from eagledata.tokens.planfile import plan_keys
+from eagledata.tokens.planfile import plan_keys, plan_processes
 from eagledata.tokens.policy import validation_setting
 
 validate_config(config, "config")  # same defaults and cross-checks as the library
@@ -134,6 +134,16 @@ def token_shard_keys(wildcards):
 def token_summaries(wildcards):
     work = TOKENS_WORK.format(dataset=wildcards.dataset)
     return [f"{work}/parts/{k}.summary.json" for k in token_shard_keys(wildcards)]
+
+
+def token_plan_threads(wildcards, input):
+    """token_plan's processes, by the responses' size (eagledata.tokens.planfile.plan_processes), at
+    most 8 and --cores; 1 while the responses do not exist yet (made earlier in this run)."""
+    try:
+        size = Path(input.responses).stat().st_size
+    except OSError:
+        return 1
+    return plan_processes(size, min(8, workflow.cores))
 
 
 def token_parts(wildcards):

@@ -16,8 +16,8 @@ checkpoint token_plan:
         code=code_of("scripts/token_plan.py"),
     output:
         plan=f"{TOKENS_WORK}/plan.json",
-    # a large responses file is read in this many processes (eagledata.tokens.planscan)
-    threads: min(8, workflow.cores)
+    # a large responses file is read in several processes (eagledata.tokens.planscan)
+    threads: token_plan_threads
     params:
         shard_size=config["tokens"]["shard_size"],
         slices=f"{TOKENS_WORK}/slices",

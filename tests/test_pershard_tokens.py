@@ -141,7 +141,7 @@ def test_plan_read_in_parallel_ranges_is_the_plan_read_in_one_process(tmp_path, 
     """A responses file read by 3 spawned processes (byte ranges cut at line starts) gives the same
     plan and slices, byte for byte, as one process: blank lines, records without an id (named after
     their global line), CRLF line ends and ids sorted in runs on disk included."""
-    from eagledata.tokens import planscan
+    from eagledata.tokens import planfile, planscan
     records = _records(120)
     for i in (5, 61, 118):
         del records[i]["id"]
@@ -149,7 +149,7 @@ def test_plan_read_in_parallel_ranges_is_the_plan_read_in_one_process(tmp_path, 
     src.write_text("\n".join(json.dumps(r) + ("\r" if i % 9 == 0 else "") + ("\n" if i % 17 == 0 else "")
                              for i, r in enumerate(records)) + "\n", encoding="utf-8")
     one = ps.plan_shards(src, tmp_path / "one.json", tmp_path / "one" / "slices", "ds", 10, workers=3)
-    monkeypatch.setattr(planscan, "MIN_BYTES_PER_WORKER", 1)
+    monkeypatch.setattr(planfile, "MIN_BYTES_PER_PROCESS", 1)
     monkeypatch.setattr(ps, "RUN_ROWS", 16)
     scan = planscan.RecordScan(src, "ds", tmp_path, workers=3)
     assert len(list(scan.entries())) == 120 and scan.processes == 3
@@ -171,7 +171,7 @@ def test_plan_read_in_parallel_ranges_is_the_plan_read_in_one_process(tmp_path, 
 def test_parallel_plan_refuses_a_bad_record_as_one_process_does(tmp_path, monkeypatch, bad_line):
     """The first bad record in file order, whichever range it falls in, is refused with the one-process
     message and its global line number."""
-    from eagledata.tokens import planscan
+    from eagledata.tokens import planfile
     records = _records(120)
     src = tmp_path / "responses.jsonl"
     lines = [json.dumps(r) for r in records]
@@ -180,7 +180,7 @@ def test_parallel_plan_refuses_a_bad_record_as_one_process_does(tmp_path, monkey
     src.write_text("\n".join(lines) + "\n", encoding="utf-8")
     with pytest.raises(ps.ResponsesFileError) as one:
         ps.plan_shards(src, tmp_path / "plan.json", tmp_path / "slices", "ds", 10)
-    monkeypatch.setattr(planscan, "MIN_BYTES_PER_WORKER", 1)
+    monkeypatch.setattr(planfile, "MIN_BYTES_PER_PROCESS", 1)
     with pytest.raises(ps.ResponsesFileError) as three:
         ps.plan_shards(src, tmp_path / "plan.json", tmp_path / "slices", "ds", 10, workers=3)
     assert str(three.value) == str(one.value) and str(one.value).startswith(f"{src}:{bad_line}:(json): invalid JSON")

@@ -5,7 +5,7 @@ checks it and needs, of each, its id, line number, byte offset, length and the s
 and the file's sha256 (the manifest's ``source_sha256``). :class:`RecordScan` gives those:
 
 - in one pass in this process for a small file (or ``workers=1``);
-- else ``workers`` spawned processes each read one byte range of the file (cut at line starts) and
+- else up to ``workers`` spawned processes (one per 64 MB: :func:`~eagledata.tokens.planfile.plan_processes`) each read one byte range of the file (cut at line starts) and
   write those fields to a scratch file, while this process hashes the whole file (sha256 releases
   the GIL, so both run at once); the scratch files are then read in file order with their line
   numbers made global. At drafter-training size (hundreds of GB of streamed bodies) the
@@ -28,12 +28,11 @@ from pathlib import Path
 from typing import Iterator
 
 from eagledata.io import BLANK_LINE, ResponsesFileError, json_line_value, sha256_file
+from eagledata.tokens.planfile import plan_processes
 from eagledata.tokens.shards import checked_record
 
 #: (id, line number, byte offset, length without the line break, sha256 of the line)
 Entry = tuple[str, int, int, int, str]
-#: a worker reads at least this many bytes (it costs about a job's start to spawn one)
-MIN_BYTES_PER_WORKER = 64 << 20
 
 
 class RecordScan:
@@ -46,7 +45,7 @@ class RecordScan:
             size = self.path.stat().st_size
         except OSError as exc:
             raise ResponsesFileError(f"{self.path}: cannot read responses file: {exc.strerror or exc}") from None
-        self.processes = max(1, min(workers, size // MIN_BYTES_PER_WORKER))
+        self.processes = plan_processes(size, workers)
         self.sha256: str | None = None
 
     def entries(self) -> Iterator[Entry]:
@@ -149,4 +148,4 @@ def _line_starts(path: Path, parts: int) -> list[int]:
     return cuts + [size]
 
 
-__all__ = ["Entry", "MIN_BYTES_PER_WORKER", "RecordScan", "scan_range"]
+__all__ = ["Entry", "RecordScan", "scan_range"]
