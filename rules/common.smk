@@ -30,7 +30,7 @@ CODE_STAMPS = {}  # stamp name -> the files it hashes
 
 def code_files(script, *data):
     """Module files ``script`` (relative to the Snakefile) imports, then ``data`` files of the package."""
-    files = stage_code(WORKFLOW_DIR / script, PACKAGE_DIR, Path.cwd())
+    files = stage_code(WORKFLOW_DIR / script, PACKAGE_DIR, Path.cwd(), cache_file=".snakemake/eagledata/imports.json")
     cwd = Path.cwd().resolve()
     for name in data:
         path = (PACKAGE_DIR / "data" / name).resolve()

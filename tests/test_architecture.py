@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import json
 from pathlib import Path
 
 import pytest
@@ -157,6 +158,39 @@ def test_code_inputs_follow_an_edited_import(tmp_path):
     assert stage_code(script, pkg, tmp_path) == ["src/eagledata/__init__.py", "src/eagledata/a.py"]
     (pkg / "a.py").write_text("from eagledata.b import y\nx = 1\n")
     assert stage_code(script, pkg, tmp_path) == ["src/eagledata/__init__.py", "src/eagledata/a.py", "src/eagledata/b.py"]
+
+
+def test_code_inputs_from_the_import_cache_follow_an_edited_import(tmp_path):
+    """Imports parsed by an earlier process are kept on disk per file content: a later process gets the
+    same files, and one whose module changed (same size, same mtime) parses it again."""
+    import os
+    import subprocess
+    import sys
+    pkg = tmp_path / "src" / "eagledata"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from eagledata.c import y\n")
+    (pkg / "b.py").write_text("y = 2\n")
+    (pkg / "c.py").write_text("y = 2\n")
+    script = tmp_path / "script.py"
+    script.write_text("from eagledata.a import x\n")
+    cache = tmp_path / ".snakemake" / "imports.json"
+    code = ("import json, sys; from eagledata.codeinputs import stage_code; "
+            "print(json.dumps(stage_code(sys.argv[1], sys.argv[2], sys.argv[3], cache_file=sys.argv[4])))")
+
+    def in_new_process():
+        out = subprocess.run([sys.executable, "-c", code, str(script), str(pkg), str(tmp_path), str(cache)],
+                             capture_output=True, text=True, check=True)
+        return json.loads(out.stdout)
+
+    first = in_new_process()
+    assert first == stage_code(script, pkg, tmp_path) == ["src/eagledata/__init__.py", "src/eagledata/a.py", "src/eagledata/c.py"]
+    assert str(pkg / "a.py") in json.loads(cache.read_text())
+    assert in_new_process() == first
+    st = os.stat(pkg / "a.py")
+    (pkg / "a.py").write_text("from eagledata.b import y\n")  # same size
+    os.utime(pkg / "a.py", ns=(st.st_atime_ns, st.st_mtime_ns))  # and mtime
+    assert in_new_process() == ["src/eagledata/__init__.py", "src/eagledata/a.py", "src/eagledata/b.py"]
 
 
 def test_a_stamp_changes_with_content_only(tmp_path):
