@@ -2,8 +2,8 @@
 # token with the implicated tokens highlighted), one for the whole run, the run-wide validation.json
 # and routing advice. Self-contained HTML; all of it is embedded by `snakemake --report report.zip`.
 # Needs from rules/common.smk: RESULTS, DATASETS, tokenizer_input. Settings: config key `report`
-# (eagledata.report.build.REPORT_DEFAULTS).
-from eagledata.report.build import report_settings
+# (eagledata.report.settings.REPORT_DEFAULTS).
+from eagledata.report.settings import report_settings
 
 REPORT_SETTINGS = report_settings(config)
 REPORT_CODE = code_of("scripts/report.py", "templates/report.html.jinja")

@@ -60,8 +60,6 @@ from typing import Any, Mapping, Sequence
 import polars as pl
 
 from eagledata import __version__
-from eagledata.config import schema
-from eagledata.errors import InputError
 from eagledata.io import atomic_write_text
 from eagledata.report.aggregate import aggregate_validations
 from eagledata.report.charts import VERDICT_COLOURS, verdict_stack
@@ -69,21 +67,7 @@ from eagledata.report.highlight import IMPLICATED
 from eagledata.report.render import diff_charts, length_charts, provider_rows, reason_rows, template
 from eagledata.report.routing import routing_advice, routing_advice_yaml
 from eagledata.report.samples import anchor, full_rows, light_frame, sample_view, select_worst
-
-
-#: Settings of the reports (config key ``report``; every key optional).
-#: The ``report`` block's defaults, read from the config schema (one place states them).
-REPORT_DEFAULTS: dict[str, Any] = {
-    key: sub["default"] for key, sub in schema()["properties"]["report"]["properties"].items()}
-
-
-def report_settings(config: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``REPORT_DEFAULTS`` overlaid with the config's ``report`` block (unknown keys are an error)."""
-    own = dict((config or {}).get("report") or {})
-    unknown = sorted(set(own) - set(REPORT_DEFAULTS))
-    if unknown:
-        raise InputError(f"config: report: unknown key(s) {unknown}; known: {sorted(REPORT_DEFAULTS)}")
-    return {**REPORT_DEFAULTS, **own}
+from eagledata.report.settings import REPORT_DEFAULTS, report_settings
 
 
 def load_validation(validation: str | Path | Mapping[str, Any]) -> dict[str, Any]:
