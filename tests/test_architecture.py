@@ -191,6 +191,10 @@ def test_code_inputs_from_the_import_cache_follow_an_edited_import(tmp_path):
     (pkg / "a.py").write_text("from eagledata.b import y\n")  # same size
     os.utime(pkg / "a.py", ns=(st.st_atime_ns, st.st_mtime_ns))  # and mtime
     assert in_new_process() == ["src/eagledata/__init__.py", "src/eagledata/a.py", "src/eagledata/b.py"]
+    cache.write_text(json.dumps({str(pkg / "a.py"): "not an entry", str(pkg / "c.py"): [1]}))  # damaged: parsed again
+    assert in_new_process() == ["src/eagledata/__init__.py", "src/eagledata/a.py", "src/eagledata/b.py"]
+    cache.write_text("{not json")
+    assert in_new_process() == ["src/eagledata/__init__.py", "src/eagledata/a.py", "src/eagledata/b.py"]
 
 
 def test_a_stamp_changes_with_content_only(tmp_path):

@@ -75,8 +75,9 @@ def _imports_of(path: Path, current: str | None, cache: dict[str, Any] | None) -
     data = path.read_bytes()
     digest = hashlib.sha256(data).hexdigest()
     key = str(path)
-    if cache is not None and key in cache and cache[key][0] == digest:
-        return cache[key][1]
+    hit = cache.get(key) if cache is not None else None
+    if isinstance(hit, list) and len(hit) == 2 and hit[0] == digest and isinstance(hit[1], list):
+        return hit[1]
     names = sorted(_imported(ast.parse(data.decode("utf-8"), key), current, path.name == "__init__.py"))
     if cache is not None:
         cache[key] = [digest, names]
