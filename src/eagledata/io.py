@@ -19,7 +19,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 import orjson
 
@@ -145,16 +145,26 @@ def iter_json_lines_at(path: str | Path, error: type[Exception], what: str = "fi
         fh = open(path, "rb")
     except OSError as exc:
         raise error(f"{path}: cannot read {what}: {exc.strerror or exc}") from None
-    pos = 0
     with fh:
-        for lineno, raw in enumerate(fh, 1):
-            offset, pos = pos, pos + len(raw)
+        for lineno, offset, raw in iter_lines_at(fh):
             if on_bytes is not None:
                 on_bytes(raw)
             where = f"{path}:{lineno}"
             value = json_line_value(raw, where, error, objects_only)
             if value is not BLANK_LINE:
                 yield lineno, offset, where, value
+
+
+def iter_lines_at(fh: BinaryIO, start: int = 0, end: int | None = None) -> Iterator[tuple[int, int, bytes]]:
+    """(line number counted from ``start``, byte offset, bytes) of each line of the binary file ``fh``
+    that starts in ``[start, end)`` (``start`` at a line's start)."""
+    fh.seek(start)
+    pos = start
+    for lineno, raw in enumerate(fh, 1):
+        if end is not None and pos >= end:
+            return
+        yield lineno, pos, raw
+        pos += len(raw)
 
 
 #: what :func:`json_line_value` returns for a blank line

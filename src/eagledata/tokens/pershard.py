@@ -144,16 +144,13 @@ def plan_shards(responses_path: str | Path, plan_path: str | Path, slices_dir: s
     return {**plan, "slices_written": written}
 
 
-_Entry = Entry  # (id, line number, byte offset, length, sha256 of the line): planscan.Entry
-
-
 def _sorted_id_runs(responses_path: str | Path, dataset: str, tmp: Path, workers: int) -> tuple[list, int, str]:
     """One read of the responses (every record checked as the one-job stage checks it; in up to
     ``workers`` processes, :mod:`eagledata.tokens.planscan`): the runs of id-sorted entries (a list
     in memory when there is one, else files in ``tmp``), the number of records and the file's sha256."""
     scan = RecordScan(responses_path, dataset, tmp, workers)
     runs: list = []
-    buf: list[_Entry] = []
+    buf: list[Entry] = []
     rows = 0
     for entry in scan.entries():
         buf.append(entry)
@@ -169,14 +166,14 @@ def _sorted_id_runs(responses_path: str | Path, dataset: str, tmp: Path, workers
     return runs, rows, scan.sha256
 
 
-def _spill(entries: list[_Entry], path: Path) -> Path:
+def _spill(entries: list[Entry], path: Path) -> Path:
     with open(path, "w", encoding="utf-8") as fh:
         for sid, *rest in entries:
             fh.write("\t".join([json.dumps(sid), *map(str, rest)]) + "\n")
     return path
 
 
-def _read_run(run) -> Iterator[_Entry]:
+def _read_run(run) -> Iterator[Entry]:
     if isinstance(run, list):
         yield from run
         return
@@ -186,11 +183,11 @@ def _read_run(run) -> Iterator[_Entry]:
             yield json.loads(sid), int(lineno), int(offset), int(length), sha
 
 
-def _merged(runs: list) -> Iterator[_Entry]:
+def _merged(runs: list) -> Iterator[Entry]:
     return heapq.merge(*(_read_run(r) for r in runs))
 
 
-def _shard_cuts(entries: Iterator[_Entry], responses_path: str | Path, shard_size: int) -> list[int]:
+def _shard_cuts(entries: Iterator[Entry], responses_path: str | Path, shard_size: int) -> list[int]:
     """The rows of each shard (:func:`~eagledata.tokens.shards.shard_groups`'s rule, streamed); a
     duplicate id is refused naming the line where it first repeats."""
     cap = MAX_SHARD_FACTOR * shard_size
@@ -210,7 +207,7 @@ def _shard_cuts(entries: Iterator[_Entry], responses_path: str | Path, shard_siz
     return cuts + [cur] if cur else cuts
 
 
-def _grouped(entries: Iterator[_Entry], cuts: Sequence[int]) -> Iterator[tuple[str, int, list[_Entry]]]:
+def _grouped(entries: Iterator[Entry], cuts: Sequence[int]) -> Iterator[tuple[str, int, list[Entry]]]:
     """(first id, rows, entries) of each shard, ``cuts`` giving the rows."""
     for n in cuts:
         group = [next(entries) for _ in range(n)]

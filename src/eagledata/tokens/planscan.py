@@ -27,8 +27,9 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
-from eagledata.io import BLANK_LINE, ResponsesFileError, json_line_value, sha256_file
+from eagledata.io import BLANK_LINE, ResponsesFileError, iter_lines_at, json_line_value, sha256_file
 from eagledata.tokens.planfile import plan_processes
+from eagledata.tokens.samples import record_id
 from eagledata.tokens.shards import checked_record
 
 #: (id, line number, byte offset, length without the line break, sha256 of the line)
@@ -53,11 +54,12 @@ class RecordScan:
 
     def _one_process(self) -> Iterator[Entry]:
         digest = hashlib.sha256()
-        for lineno, offset, raw in _range_lines(self.path, 0, None):
-            digest.update(raw)
-            entry = _entry(self.path, lineno, offset, raw)
-            if entry is not None:
-                yield self._with_id(entry, entry[1])
+        with open(self.path, "rb") as fh:
+            for lineno, offset, raw in iter_lines_at(fh):
+                digest.update(raw)
+                entry = _entry(self.path, lineno, offset, raw)
+                if entry is not None:
+                    yield self._with_id(entry, entry[1])
         self.sha256 = digest.hexdigest()
 
     def _in_ranges(self) -> Iterator[Entry]:
@@ -95,8 +97,8 @@ def scan_range(path: str, start: int, end: int, out: str) -> tuple[int, tuple[in
     number of lines read and, for a bad record, ``(its line in the range, the error's message)``
     (the range is not read further)."""
     lines = 0
-    with open(out, "w", encoding="utf-8") as fh:
-        for lines, offset, raw in _range_lines(Path(path), start, end):
+    with open(path, "rb") as src, open(out, "w", encoding="utf-8") as fh:
+        for lines, offset, raw in iter_lines_at(src, start, end):
             try:
                 entry = _entry(Path(path), lines, offset, raw)
             except ResponsesFileError as exc:
@@ -107,18 +109,6 @@ def scan_range(path: str, start: int, end: int, out: str) -> tuple[int, tuple[in
     return lines, None
 
 
-def _range_lines(path: Path, start: int, end: int | None) -> Iterator[tuple[int, int, bytes]]:
-    """(line number counted from ``start``, byte offset, bytes) of each line starting in ``[start, end)``."""
-    with open(path, "rb") as fh:
-        fh.seek(start)
-        pos = start
-        for lineno, raw in enumerate(fh, 1):
-            if end is not None and pos >= end:
-                return
-            yield lineno, pos, raw
-            pos += len(raw)
-
-
 def _entry(path: Path, lineno: int, offset: int, raw: bytes) -> tuple | None:
     """A record line's entry (its id None when it has none); None for a blank line. Raises
     :class:`ResponsesFileError` for a bad record, as the one-job stage does."""
@@ -126,9 +116,9 @@ def _entry(path: Path, lineno: int, offset: int, raw: bytes) -> tuple | None:
     rec = json_line_value(raw, where, ResponsesFileError)
     if rec is BLANK_LINE:
         return None
-    rid = checked_record(rec, where).get("id")
+    sid = record_id(checked_record(rec, where), None)  # named after its global line later
     line = raw.rstrip(b"\r\n")
-    return (str(rid) if rid is not None else None), lineno, offset, len(line), hashlib.sha256(line).hexdigest()
+    return sid, lineno, offset, len(line), hashlib.sha256(line).hexdigest()
 
 
 def _line_starts(path: Path, parts: int) -> list[int]:

@@ -33,7 +33,7 @@ class Sample:
         return self.prompt_ids + self.completion.ids
 
 
-def record_id(record: Mapping[str, Any], fallback: str) -> str:
+def record_id(record: Mapping[str, Any], fallback: str | None) -> str | None:
     rid = record.get("id")
     return str(rid) if rid is not None else fallback
 
