@@ -69,18 +69,21 @@ def _imported(tree: ast.AST, current: str | None, is_package: bool) -> set[str]:
     return out
 
 
-def _imports_of(path: Path, current: str | None, cache: dict[str, Any] | None) -> list[str]:
-    """The dotted project names ``path`` imports (:func:`_imported`), from ``cache`` when it holds
-    them for this content (key: the file's path; value: the sha256 of its bytes and the names)."""
+def _imports_of(path: Path, current: str | None, cache_file: str | None) -> list[str]:
+    """The dotted project names ``path`` imports (:func:`_imported`), from the cache in ``cache_file``
+    when it holds them for this content (key: the file's path; value: the sha256 of its bytes and the
+    names)."""
     data = path.read_bytes()
     digest = hashlib.sha256(data).hexdigest()
     key = str(path)
+    cache = _import_cache(cache_file)
     hit = cache.get(key) if cache is not None else None
     if isinstance(hit, list) and len(hit) == 2 and hit[0] == digest and isinstance(hit[1], list):
         return hit[1]
     names = sorted(_imported(ast.parse(data.decode("utf-8"), key), current, path.name == "__init__.py"))
     if cache is not None:
         cache[key] = [digest, names]
+        _CHANGED.add(cache_file)
     return names
 
 
@@ -91,7 +94,7 @@ def _direct(package_dir: Path, path: Path, mtime_ns: int, size: int, cache_file:
     inside = package_dir in path.parents
     current = _dotted_of(package_dir, path) if inside else None
     found: dict[Path, None] = {}
-    for dotted in _imports_of(path, current, _import_cache(cache_file)):
+    for dotted in _imports_of(path, current, cache_file):
         parts = dotted.split(".")
         for i in range(1, len(parts) + 1):  # the packages on the way are imported too
             module = _module_file(package_dir, ".".join(parts[:i]))
@@ -101,7 +104,7 @@ def _direct(package_dir: Path, path: Path, mtime_ns: int, size: int, cache_file:
 
 
 _IMPORT_CACHES: dict[str, dict[str, Any]] = {}
-_WRITTEN: dict[str, str] = {}  # cache file -> the text this process last read or wrote there
+_CHANGED: set[str] = set()  # cache files this process added entries to since it last wrote them
 
 
 def _import_cache(cache_file: str | None) -> dict[str, Any] | None:
@@ -110,12 +113,10 @@ def _import_cache(cache_file: str | None) -> dict[str, Any] | None:
         return None
     if cache_file not in _IMPORT_CACHES:
         try:
-            text = Path(cache_file).read_text(encoding="utf-8")
-            loaded = json.loads(text)
+            loaded = json.loads(Path(cache_file).read_text(encoding="utf-8"))
         except (OSError, ValueError):
-            text, loaded = "", {}
+            loaded = {}
         _IMPORT_CACHES[cache_file] = loaded if isinstance(loaded, dict) else {}
-        _WRITTEN[cache_file] = text
     return _IMPORT_CACHES[cache_file]
 
 
@@ -129,15 +130,13 @@ def _closure(package_dir: Path, start: Path, cache_file: str | None = None) -> t
             if found not in seen:
                 seen.add(found)
                 todo.append(found)
-    if cache_file is not None and cache_file in _IMPORT_CACHES:
-        text = json.dumps(_IMPORT_CACHES[cache_file], sort_keys=True)
-        if _WRITTEN.get(cache_file) != text:
-            try:
-                Path(cache_file).parent.mkdir(parents=True, exist_ok=True)
-                atomic_write_text(cache_file, text)
-                _WRITTEN[cache_file] = text
-            except OSError:
-                pass  # a cache: the next process parses again
+    if cache_file in _CHANGED:
+        _CHANGED.discard(cache_file)
+        try:
+            Path(cache_file).parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(cache_file, json.dumps(_IMPORT_CACHES[cache_file], sort_keys=True))
+        except OSError:
+            pass  # a cache: the next process parses again
     return tuple(sorted(str(p) for p in seen))
 
 
