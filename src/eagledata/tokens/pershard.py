@@ -64,7 +64,7 @@ from eagledata.tokens.checks import SampleStats, repairable
 from eagledata.tokens.policy import resolve_policy
 from eagledata.tokens.shards import (PASS1_SCHEMA, MAX_SHARD_FACTOR, Judge, ResponsesFileError, checked_record, is_boundary_id,
                                      Learned, prune_shards, publish_shard, reconstruct_sample, transformations_seen, with_verdicts,
-                                     shard_groups, shard_name)
+                                     shard_name)
 
 log = logging.getLogger(__name__)
 PLAN_VERSION = 1

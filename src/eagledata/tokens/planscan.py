@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import multiprocessing
-import os
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Iterator
