@@ -201,3 +201,15 @@ def test_a_template_matches_every_text_line_of_its_shape_and_no_other():
     assert learn_chunk_template('{"content":"a","x":{"content":"b"}}', {"content": "a", "x": {"content": "b"}},
                                 {"content": "content"}) is None
     assert learn_chunk_template('{"con\\u0074ent":"a"}', {"content": "a"}, {"content": "content"}) is None
+
+
+def test_a_line_cut_after_its_text_is_not_read_as_a_template_line():
+    """A line that starts like the template's and holds one string token where the hole is, but lacks
+    the template's end (a body cut short), is read in full: the stream is malformed, as read plainly."""
+    chunks = [_delta(content=t) for t in ("a", "b", "c")] + [_delta(content="")] * 60 + [_delta(finish="stop")]
+    raw = _stream_lines(chunks)
+    whole = raw.split("\n\n")[2]  # the third chunk's line
+    cut = whole[:whole.index('"content": "c"') + len('"content": "c"')]
+    for body in (raw.replace(whole, cut), _stream_lines(_unique_lines(chunks)).replace('"content": "c"}', '"content": "c"')):
+        p = parse_response(body)
+        assert not p.ok and p.error.where == "malformed", p
