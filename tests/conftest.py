@@ -2,8 +2,11 @@
 clear message where it is absent; EAGLEDATA_SHARED may point elsewhere."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -88,11 +91,29 @@ def ask_stand_in(tok, fam, profile: str, seed: int, prompts: list[dict] | None =
 
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory):
-    """The demo (config/config.yaml) run to the end once per session, in a copy of the repository.
-    Read-only: a test that changes anything works on ``workflow_runs.copy_run(demo_run, ...)``, which
-    keeps mtimes, so the copy's finished jobs (and its demo tokenizer, model and code stamps) stay done."""
+    """The demo (config/config.yaml) run to the end once per test session, in a copy of the repository,
+    shared by the session's pytest-xdist workers (the first to need it runs it, under a lock; the others
+    wait and reuse it). Read-only: a test that changes anything, or runs snakemake in it (even a dry run
+    writes Snakemake's records), works on ``workflow_runs.copy_run(demo_run, ...)``, which keeps mtimes,
+    so the copy's finished jobs (and its demo tokenizer, model and code stamps) stay done."""
     from workflow_runs import copy_repo, snakemake
 
-    work = copy_repo(tmp_path_factory.mktemp("demo_run") / "w")
-    snakemake(work, "all")
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # xdist: the workers' common directory
+    work, done = shared / "demo_run" / "w", shared / "demo_run" / "done"
+    with _locked(shared / "demo_run.lock"):
+        if not done.exists():
+            shutil.rmtree(work, ignore_errors=True)  # a worker that failed half-way
+            snakemake(copy_repo(work), "all")
+            done.touch()
     return work
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)

@@ -40,6 +40,8 @@ from eagledata.demo.model import build_demo_model
 
 from test_extract import VOCAB, make_rows, write_tokens
 
+pytestmark = pytest.mark.xdist_group("export_setup")  # one worker builds the module's model and exports
+
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):

@@ -25,6 +25,7 @@ from eagledata.extract.layers import default_layers, resolve_layers
 from eagledata.extract.storage import estimate_shard_bytes, read_index
 from eagledata.demo.model import build_demo_model, demo_config
 
+pytestmark = pytest.mark.xdist_group("extract_setup")  # one worker builds the module's model and extractions
 VOCAB = 512
 SCHEMA = {
     "id": pl.Utf8,

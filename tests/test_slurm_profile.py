@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "profiles" / "slurm" / "config.yaml"
 
 pytest.importorskip("snakemake_executor_plugin_slurm", reason="pip install snakemake-executor-plugin-slurm (test extra)")
+pytestmark = pytest.mark.xdist_group("slurm_dry_run")  # one worker builds the module's dry run
 
 
 def test_profile_parses():
