@@ -7,6 +7,7 @@ import fcntl
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -110,10 +111,25 @@ def demo_run(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def _locked(path: Path):
+def _locked(path: Path, mode: int = fcntl.LOCK_EX):
     with open(path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
+        fcntl.flock(fh, mode)
         try:
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under pytest-xdist, a test marked ``timing`` (it measures latencies, in-flight counts or a
+    filesystem filling up against a clock) runs alone: it holds the run's test lock exclusively, from
+    its fixtures' setup to their teardown, and every other test holds it shared. So no other worker's
+    Snakemake jobs share the cores with it, as when the tests ran one at a time."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run:
+        yield
+        return
+    alone = item.get_closest_marker("timing") is not None
+    with _locked(Path(tempfile.gettempdir()) / f"eagledata-tests-{run}.lock", fcntl.LOCK_EX if alone else fcntl.LOCK_SH):
+        yield

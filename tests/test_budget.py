@@ -18,6 +18,9 @@ from eagledata.standin.server import SimulatorServer
 from gen_helpers import API_KEY, generate_cmd, make_config, quiet, read_jsonl, spawn, write_prompts
 
 
+pytestmark = pytest.mark.timing  # runs alone under xdist (tests/conftest.py)
+
+
 def reserve(ledger: BudgetLedger, ref: str, amount: float, dataset: str = "a", cap: float | None = 1.0,
             ds_cap: float | None = None):
     return ledger.apply([Reserve(ref, dataset, amount, cap, ds_cap)], [])[0]

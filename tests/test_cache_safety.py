@@ -32,6 +32,10 @@ from eagledata.standin.server import SimulatorServer, prompt_hash
 from gen_helpers import (API_KEY, StandInProcess, cache_lines, generate_cmd, ledger_counted, ledger_rows, make_config,
                          quiet, read_jsonl, spawn, write_prompts)
 
+
+pytestmark = pytest.mark.timing  # runs alone under xdist (tests/conftest.py)
+
+
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 

@@ -446,6 +446,7 @@ ex.extract_dataset(tokens, out, weights, dtype="float32", device="cpu", batch_to
 """
 
 
+@pytest.mark.timing  # kills the job mid-run: alone under xdist
 def test_resume_after_kill_9(tmp_path, token_rows, weights, model):
     """A real extraction subprocess is killed with SIGKILL after its first shard; the rerun keeps
     that shard untouched (same bytes, same mtime, not recomputed), removes the half-written one

@@ -21,6 +21,9 @@ from gen_helpers import (API_KEY, cache_lines, generate_cmd, ledger_rows, make_c
                          wait_cache_lines, write_prompts)
 
 
+pytestmark = pytest.mark.timing  # runs alone under xdist (tests/conftest.py)
+
+
 @pytest.fixture
 def key(monkeypatch):
     monkeypatch.setenv("OPENROUTER_API_KEY", API_KEY)

@@ -16,6 +16,10 @@ import pytest
 
 from eagledata.extract import gpus
 
+
+pytestmark = pytest.mark.timing  # runs alone under xdist (tests/conftest.py)
+
+
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = ROOT / "tests" / "_gpu_child.py"
 

@@ -20,6 +20,10 @@ from eagledata.text.history import ToolCallText, assistant_message
 from eagledata.tokens.responses import parse_response
 from gen_helpers import API_KEY, StandInProcess, cache_lines, generate_cmd, make_config, quiet, read_jsonl, spawn
 
+
+pytestmark = pytest.mark.timing  # runs alone under xdist (tests/conftest.py)
+
+
 TOOL = [{"type": "function", "function": {"name": "status", "parameters": {
     "type": "object", "properties": {"region": {"type": "string", "enum": ["eu"]}}, "required": ["region"]}}}]
 

@@ -12,6 +12,9 @@ from eagledata.standin.server import PROCESSING_COMMENT, SimulatorServer
 from eagledata.tokens.responses import parse_response
 
 
+pytestmark = pytest.mark.timing  # runs alone under xdist (tests/conftest.py)
+
+
 def body(i: int) -> dict:
     return {"model": "moonshotai/kimi-k2.5", "messages": [{"role": "user", "content": f"Question number {i}?"}],
             "max_tokens": 2000, "stream": True, "usage": {"include": True},
