@@ -7,7 +7,6 @@ import fcntl
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -91,7 +90,7 @@ def ask_stand_in(tok, fam, profile: str, seed: int, prompts: list[dict] | None =
 
 
 @pytest.fixture(scope="session")
-def demo_run(tmp_path_factory):
+def demo_run(tmp_path_factory, pytestconfig):
     """The demo (config/config.yaml) run to the end once per test session, in a copy of the repository,
     shared by the session's pytest-xdist workers (the first to need it runs it, under a lock; the others
     wait and reuse it). Read-only: a test that changes anything, or runs snakemake in it (even a dry run
@@ -99,8 +98,7 @@ def demo_run(tmp_path_factory):
     so the copy's finished jobs (and its demo tokenizer, model and code stamps) stay done."""
     from workflow_runs import copy_repo, snakemake
 
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # xdist: the workers' common directory
+    shared = _xdist_run_dir(pytestconfig) or tmp_path_factory.getbasetemp()
     work, done = shared / "demo_run" / "w", shared / "demo_run" / "done"
     with _locked(shared / "demo_run.lock"):
         if not done.exists():
@@ -108,6 +106,12 @@ def demo_run(tmp_path_factory):
             snakemake(copy_repo(work), "all")
             done.touch()
     return work
+
+
+def _xdist_run_dir(config) -> Path | None:
+    """The directory the pytest-xdist workers of this run share (the parent of each worker's base
+    temporary directory, which xdist sets); None outside xdist."""
+    return Path(config.option.basetemp).parent if os.environ.get("PYTEST_XDIST_WORKER") else None
 
 
 @contextlib.contextmanager
@@ -126,10 +130,10 @@ def pytest_runtest_protocol(item, nextitem):
     filesystem filling up against a clock) runs alone: it holds the run's test lock exclusively, from
     its fixtures' setup to their teardown, and every other test holds it shared. So no other worker's
     Snakemake jobs share the cores with it, as when the tests ran one at a time."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if not run:
+    shared = _xdist_run_dir(item.config)
+    if shared is None:
         yield
         return
     alone = item.get_closest_marker("timing") is not None
-    with _locked(Path(tempfile.gettempdir()) / f"eagledata-tests-{run}.lock", fcntl.LOCK_EX if alone else fcntl.LOCK_SH):
+    with _locked(shared / "tests.lock", fcntl.LOCK_EX if alone else fcntl.LOCK_SH):
         yield
