@@ -26,7 +26,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
-from eagledata.io import BLANK_LINE, ResponsesFileError, iter_lines_at, json_line_value, sha256_file
+from eagledata.io import BLANK_LINE, ResponsesFileError, iter_lines_at, json_line_value, open_lines, sha256_file
 from eagledata.tokens.planfile import plan_processes
 from eagledata.tokens.samples import record_id
 from eagledata.tokens.shards import checked_record
@@ -53,7 +53,7 @@ class RecordScan:
 
     def _one_process(self) -> Iterator[Entry]:
         digest = hashlib.sha256()
-        with open(self.path, "rb") as fh:
+        with open_lines(self.path) as fh:
             for lineno, offset, raw in iter_lines_at(fh):
                 digest.update(raw)
                 entry = _entry(self.path, lineno, offset, raw)
@@ -96,7 +96,7 @@ def scan_range(path: str, start: int, end: int, out: str) -> tuple[int, tuple[in
     number of lines read and, for a bad record, ``(its line in the range, the error's message)``
     (the range is not read further)."""
     lines = 0
-    with open(path, "rb") as src, open(out, "w", encoding="utf-8") as fh:
+    with open_lines(path) as src, open(out, "w", encoding="utf-8") as fh:
         for lines, offset, raw in iter_lines_at(src, start, end):
             try:
                 entry = _entry(Path(path), lines, offset, raw)
