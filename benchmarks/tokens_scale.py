@@ -190,6 +190,19 @@ def shard_job_seconds(repo: Path, name: str) -> float:
     return total
 
 
+def stage_parts(repo: Path, name: str, wall: float) -> dict[str, float]:
+    """Seconds of the last run by step: its jobs as their benchmark: files time them (the job's script,
+    from its interpreter's start), and the rest of the wall time (Snakemake's start, DAG, scheduling)."""
+    out: dict[str, float] = {}
+    for step, pattern in (("token_plan", "token_plan.tsv"), ("token_shard jobs", "token_shard/*.tsv"), ("tokens", "tokens.tsv")):
+        out[step] = 0.0
+        for path in (repo / "benchmarks/out" / name).glob(pattern):
+            with open(path) as fh:
+                out[step] += sum(float(row["s"]) for row in csv.DictReader(fh, delimiter="\t"))
+    out["Snakemake and the rest"] = wall - sum(out.values())
+    return out
+
+
 def raw_tiktoken_rate(path: Path, n: int) -> float:
     """Tokens per second raw tiktoken encodes the text of the first 5,000 records on one core."""
     raw = run(RAW, str(path), str(TOKENIZER), str(min(n, 5000)))
@@ -222,6 +235,8 @@ def pipeline(sizes: list[int], work: Path, shard_size: int = 1000, two_cores: bo
             repo = repo_copy(work / f"repo-{n}", {name: path}, shard_size)
             smk(repo, "--cores", "1", f"results/{name}/responses.jsonl")  # the import is not the tokens stage
             walls[cores] = smk(repo, "--cores", str(cores), f"results/{name}/tokens")
+            if cores == 1:
+                parts = stage_parts(repo, name, walls[1])
         manifest = json.loads((repo / f"results/{name}/tokens/manifest.json").read_text())
         tokens = run(CHILD_COUNT, str(repo / f"results/{name}/tokens"))
         # raw tiktoken again after the stage: the faster of the two (a conservative ratio on a shared machine)
@@ -243,6 +258,9 @@ def pipeline(sizes: list[int], work: Path, shard_size: int = 1000, two_cores: bo
               f"{shard_rate / raw_rate:.2f}x; fitted over them: {start:.2f}s to start a job, then "
               f"{per_row * 1e3:.2f} ms per sample = {1 / in_process:.2f}x raw tiktoken); peak memory per job (MB): "
               + ", ".join(f"{k} {v:.0f}" for k, v in sorted(rss.items())) + f"; dry run {dry:.1f}s", flush=True)
+        print(f"  where the 1-core time goes, in ms per sample: "
+              + ", ".join(f"{k} {v * 1e3 / manifest['rows']:.2f}" for k, v in parts.items())
+              + f"; raw tiktoken's encode of the same text {tokens['tokens'] / raw_rate * 1e3 / manifest['rows']:.2f}", flush=True)
     for rule in sorted(rows[0][1]):
         base = rows[0][1][rule] or 1
         growth = [r.get(rule, 0) / base for _, r in rows]
