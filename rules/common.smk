@@ -146,6 +146,11 @@ def token_plan_threads(wildcards, input):
     return plan_processes(size, min(8, workflow.cores))
 
 
+def token_parts(wildcards):
+    work = TOKENS_WORK.format(dataset=wildcards.dataset)
+    return [f"{work}/parts/{k}.parquet" for k in token_shard_keys(wildcards)]
+
+
 def _validation_setting(wildcards, key):
     return validation_setting(config, wildcards.dataset, key)
 

@@ -4,7 +4,7 @@
 # conventions from the per-shard summaries, the repairs each provider is proven to apply, judges every
 # shard and gathers them into tokens/ (manifest.json and hard links into tokens.store/). Slices, parts
 # and the store live under results/{dataset}/ outside any directory() output, so an unchanged shard
-# keeps its files (bytes and mtimes) and reruns nothing. Input functions (token_summaries and friends) are
+# keeps its files (bytes and mtimes) and reruns nothing. Input functions (token_parts and friends) are
 # in rules/common.smk; token_shard declares one stamp (stage_stamp, rules/stamps.smk) for its code and
 # the tokenizer.
 
@@ -57,8 +57,7 @@ rule tokens:
     """Learn the dataset's conventions and repairs from the shards, judge each shard, gather them:
     tokens/manifest.json and a hard link per shard (learned.json, conventions.json in tokens.work/)."""
     input:
-        # a shard's summary, not its part: token_shard writes both, and a missing part reruns its job
-        # (one input per shard, not two: the dry run's cost at 2,000 shards)
+        parts=token_parts,
         summaries=token_summaries,
         tokenizer=tokenizer_input,
         code=code_of("scripts/tokens.py"),
