@@ -181,24 +181,26 @@ def peak_rss(repo: Path, name: str) -> dict[str, float]:
     return out
 
 
-def shard_job_seconds(repo: Path, name: str) -> float:
-    """Wall seconds of every token_shard job together (their benchmark: files), process start included."""
+def job_seconds(repo: Path, name: str, pattern: str) -> float:
+    """Wall seconds of the jobs whose benchmark: files match ``pattern`` (under benchmarks/out/NAME),
+    together: each job's script from its interpreter's start."""
     total = 0.0
-    for path in (repo / "benchmarks/out" / name / "token_shard").glob("*.tsv"):
+    for path in (repo / "benchmarks/out" / name).glob(pattern):
         with open(path) as fh:
             total += sum(float(row["s"]) for row in csv.DictReader(fh, delimiter="\t"))
     return total
 
 
+def shard_job_seconds(repo: Path, name: str) -> float:
+    """Wall seconds of every token_shard job together, process start included."""
+    return job_seconds(repo, name, "token_shard/*.tsv")
+
+
 def stage_parts(repo: Path, name: str, wall: float) -> dict[str, float]:
-    """Seconds of the last run by step: its jobs as their benchmark: files time them (the job's script,
-    from its interpreter's start), and the rest of the wall time (Snakemake's start, DAG, scheduling)."""
-    out: dict[str, float] = {}
-    for step, pattern in (("token_plan", "token_plan.tsv"), ("token_shard jobs", "token_shard/*.tsv"), ("tokens", "tokens.tsv")):
-        out[step] = 0.0
-        for path in (repo / "benchmarks/out" / name).glob(pattern):
-            with open(path) as fh:
-                out[step] += sum(float(row["s"]) for row in csv.DictReader(fh, delimiter="\t"))
+    """Seconds of the last run by step (:func:`job_seconds`), and the rest of the wall time (Snakemake's
+    start, DAG, scheduling)."""
+    out = {step: job_seconds(repo, name, pattern) for step, pattern in (
+        ("token_plan", "token_plan.tsv"), ("token_shard jobs", "token_shard/*.tsv"), ("tokens", "tokens.tsv"))}
     out["Snakemake and the rest"] = wall - sum(out.values())
     return out
 

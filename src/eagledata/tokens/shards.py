@@ -69,7 +69,7 @@ from eagledata.tokens.repairs import (WHITESPACE_CONTENT, WHITESPACE_REASONING, 
                       parsed_from_segments, search_repairs)
 from eagledata.errors import InputError
 from eagledata.text.families import ModelFamily
-from eagledata.io import (ResponsesFileError, atomic_write_json, iter_json_lines, link_file,
+from eagledata.io import (ResponsesFileError, atomic_write_json, iter_json_lines, link_file, open_lines,
                           normalize_response_line, replace_unless_same, sha256_file)
 from eagledata.tokens.samples import alternative_prompt_lengths, record_id, tokenize_record
 from eagledata.text.tokenizer import Tokenizer
@@ -128,7 +128,7 @@ def checked_record(rec: dict[str, Any], where: str) -> dict[str, Any]:
 def _line_offsets(path: str | Path) -> list[int]:
     """Byte offset of every line's start (index = line number - 1)."""
     offsets, pos = [], 0
-    with open(path, "rb") as fh:
+    with open_lines(path) as fh:
         for raw in fh:
             offsets.append(pos)
             pos += len(raw)
@@ -232,7 +232,7 @@ def _reconstruct_parts(responses_path: str | Path, entries: Mapping[str, _Entry]
     stats: list[SampleStats] = []
     linenos: list[int] = []
     parts: list[str] = []
-    with open(responses_path, "rb") as fh:
+    with open_lines(responses_path) as fh:
         for k, group in enumerate(groups):
             rows = []
             for sid in group:
