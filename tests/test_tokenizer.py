@@ -117,3 +117,52 @@ def test_published_kimi_dir_loads_without_running_its_code(tmp_path):
     ref = load_tokenizer(src, get_family("kimi-k2.5"))
     sample = "中文混合 English, numbers 12345 and émoji 🎉"
     assert tok.encode_plain(sample) == ref.encode_plain(sample)
+
+
+def test_rank_tables_are_cached_by_content_and_a_damaged_entry_is_decoded_again(tmp_path, monkeypatch):
+    """Every per-shard job loads the tokenizer: the decoded rank table is kept between processes,
+    named by the rank file's sha256; an entry that does not check is never used."""
+    import hashlib
+    import marshal
+
+    src = need_shared("tokenizers", "kimi-k2.5")
+    fam = get_family("kimi-k2.5")
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("EAGLEDATA_CACHE_DIR", str(cache))
+    sample = "中文混合 English, numbers 12345 and émoji 🎉"
+    fresh = load_tokenizer(src, fam)
+    entries = list((cache / "tiktoken-ranks").iterdir())
+    assert len(entries) == 1 and entries[0].name.startswith(hashlib.sha256((src / "tiktoken.model").read_bytes()).hexdigest())
+    expected = fresh.encode_plain(sample)
+
+    # the entry is what the next load uses: a table changed in it (with a matching checksum) shows
+    table = marshal.loads(entries[0].read_bytes()[32:])
+    hello = fresh.encoding.encode_ordinary("hello")
+    assert len(hello) == 1
+    swapped = next(b for b, r in table.items() if r == hello[0])
+    table[swapped], table[b"!"] = table[b"!"], table[swapped]
+    payload = marshal.dumps(table)
+    entries[0].write_bytes(hashlib.sha256(payload).digest() + payload)
+    assert load_tokenizer(src, fam).encoding.encode_ordinary("hello") != hello
+
+    # a damaged entry (its checksum no longer holds) is decoded again from the rank file and rewritten
+    blob = bytearray(entries[0].read_bytes())
+    blob[-10] ^= 0xFF
+    entries[0].write_bytes(bytes(blob))
+    again = load_tokenizer(src, fam)
+    assert again.encode_plain(sample) == expected and again.encoding.encode_ordinary("hello") == hello
+    assert marshal.loads(entries[0].read_bytes()[32:]) == marshal.loads(marshal.dumps(dict(fresh.encoding._mergeable_ranks)))
+
+    # another rank file gets its own entry; a cache that cannot be written is skipped
+    other = tmp_path / "other"
+    shutil.copytree(src, other)
+    lines = (other / "tiktoken.model").read_bytes().splitlines(keepends=True)
+    (other / "tiktoken.model").write_bytes(b"".join(lines[:-1]))
+    load_tokenizer(other, fam)
+    assert len(list((cache / "tiktoken-ranks").iterdir())) == 2
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the cache directory would be")
+    monkeypatch.setenv("EAGLEDATA_CACHE_DIR", str(blocked))
+    assert load_tokenizer(src, fam).encode_plain(sample) == expected
+    monkeypatch.setenv("EAGLEDATA_CACHE_DIR", "")  # empty: no cache
+    assert load_tokenizer(src, fam).encode_plain(sample) == expected
