@@ -1,8 +1,8 @@
 """Snakemake entry for rule `token_shard` (plumbing only; logic in eagledata.tokens.pershard)."""
 import logging
-import sys
 
 from eagledata.config import dataset_settings, load_model_tokenizer
+from eagledata.io import quick_exit
 from eagledata.tokens.pershard import peak_memory_mb, reconstruct_shard, slice_sources
 
 sm = snakemake  # noqa: F821 - injected by Snakemake
@@ -16,4 +16,5 @@ try:
     logging.info("peak memory %.0f MB", peak_memory_mb())
 except Exception:
     logging.exception("token_shard failed")
-    sys.exit(1)
+    quick_exit(1)
+quick_exit(0)  # one job per shard: the interpreter's teardown would cost each about 0.15 s

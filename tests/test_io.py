@@ -50,3 +50,18 @@ def test_lines_longer_than_the_buffer_are_read_whole_with_their_offsets(tmp_path
         got = list(iter_lines_at(fh))
     offsets = [sum(map(len, lines[:i])) for i in range(len(lines))]
     assert got == [(i + 1, offsets[i], line) for i, line in enumerate(lines)]
+
+
+def test_quick_exit_keeps_the_log_and_the_status(tmp_path):
+    """A per-shard job ends without the interpreter's teardown: what it logged and printed is there,
+    and its exit status is the one asked for (a failed job must still fail)."""
+    import subprocess
+    import sys
+
+    log = tmp_path / "job.log"
+    code = ("import logging\nfrom eagledata.io import quick_exit\n"
+            f"logging.basicConfig(filename={str(log)!r}, level=logging.INFO)\n"
+            "logging.info('reconstructed 3 samples')\nprint('to stdout', end='')\nquick_exit(3)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 3 and done.stdout == "to stdout"
+    assert "reconstructed 3 samples" in log.read_text()

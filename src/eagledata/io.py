@@ -16,11 +16,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator
+from typing import Any, BinaryIO, Callable, Iterator, NoReturn
 
 import orjson
 
@@ -34,6 +36,18 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
         for block in iter(lambda: fh.read(chunk), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def quick_exit(code: int = 0) -> NoReturn:
+    """End this process now with exit status ``code``, without the interpreter's teardown: the log
+    handlers are flushed and closed and the standard streams flushed first. For the entry script of a
+    per-shard job once its outputs are written and closed: freeing what a job built (a 160k-entry
+    rank table, polars) costs it about 0.15 s at exit, and nothing the job needs runs then."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def sha256_text(text: str) -> str:
