@@ -33,6 +33,7 @@ import marshal
 import os
 import re
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Protocol, Sequence
@@ -189,14 +190,17 @@ def cached_tiktoken_ranks(path: Path, data: bytes, digest: bytes) -> dict[bytes,
     ranks = read_tiktoken_ranks(path, data)
     if entry is not None:
         payload = marshal.dumps(ranks)
-        tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
-        try:
+        tmp = None
+        try:  # a file of its own per writer (jobs on several nodes may share the cache), then renamed
             entry.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_bytes(hashlib.sha256(payload).digest() + payload)
+            with tempfile.NamedTemporaryFile(dir=entry.parent, prefix=f".{entry.name}.", delete=False) as fh:
+                tmp = Path(fh.name)
+                fh.write(hashlib.sha256(payload).digest() + payload)
             os.replace(tmp, entry)
         except OSError:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
     return ranks
 
 
