@@ -79,12 +79,23 @@ def tokenizer_input(wildcards):
     return tokenizer_files(config["datasets"][wildcards.dataset]["model"])
 
 
+def tokenizer_settings(wildcards):
+    """What of the config decides a dataset's token ids besides its tokenizer's files: the model's
+    tokenizer (a hub id has no files), how it is loaded, its chat template and its family, with the
+    config's definition of that family. A stage stamp's params and written into it, so a change reruns
+    the per-shard jobs that declare the stamp."""
+    model = config["models"][config["datasets"][wildcards.dataset]["model"]]
+    keys = ("tokenizer", "tokenizer_kind", "trust_remote_code", "chat_template", "family")
+    return {**{k: model.get(k) for k in keys}, "family_definition": (config.get("families") or {}).get(model["family"])}
+
+
 STAGE_STAMPS = {}  # stage stamp name -> the code stamps it covers
 
 
 def stage_stamp(name, *scripts):
-    """One stamp per dataset of the code of ``scripts`` and the dataset model's tokenizer files
-    (rules/stamps.smk), for the per-shard jobs: a plain pattern (no input function), one input."""
+    """One stamp per dataset of the code of ``scripts``, the dataset model's tokenizer files and its
+    tokenizer settings (rules/stamps.smk), for the per-shard jobs: a plain pattern (no input
+    function), one input."""
     STAGE_STAMPS[name] = [code_of(s)[0] for s in scripts]
     return f"{STAMPS}/datasets/{{dataset}}/{name}.sha256"
 

@@ -27,12 +27,15 @@ rule code_stamp:
 
 
 rule stage_stamp:
-    """A stage stamp (stage_stamp): the code stamps of its scripts and the dataset model's tokenizer files."""
+    """A stage stamp (stage_stamp): the code stamps of its scripts, the dataset model's tokenizer files
+    and its tokenizer settings (a family, template or hub id changed in the config reruns the shards)."""
     input:
         code=lambda wildcards: STAGE_STAMPS[wildcards.name],
         tokenizer=tokenizer_input,
     output:
         f"{STAMPS}/datasets/{{dataset}}/{{name}}.sha256",
+    params:
+        settings=tokenizer_settings,
     wildcard_constraints:
         name="[A-Za-z0-9_.+-]+",
     log:

@@ -285,3 +285,14 @@ def test_one_new_response_rebuilds_only_its_shard(tmp_path):
     report = json.loads((work / "results/rec/validation.json").read_text())
     assert report["counts"]["total"] == 301
     assert planned_jobs(work, "rec") == {}
+
+    # a config setting that decides token ids (here the model's family: one defined in the config, as
+    # kimi-k2 under another name) reruns every shard's reconstruction; put back, nothing is to run
+    shards_now = len(json.loads((work / "results/rec/tokens.work/plan.json").read_text())["shards"])
+    changed = {**config, "families": {"k2-local": {"base": "kimi-k2"}},
+               "models": {"k2": {**config["models"]["k2"], "family": "k2-local"}}}
+    (work / "config/config.yaml").write_text(yaml.safe_dump(changed))
+    jobs = planned_jobs(work, "rec")
+    assert jobs.get("stage_stamp") == 1 and jobs.get("token_shard") == shards_now and jobs.get("tokens") == 1, jobs
+    (work / "config/config.yaml").write_text(yaml.safe_dump(config))
+    assert planned_jobs(work, "rec") == {}

@@ -176,10 +176,12 @@ def stamp_lines(paths: list[str | Path]) -> list[str]:
     return lines
 
 
-def write_stamp(paths: list[str | Path], out: str | Path) -> str:
-    """Write the stamp of ``paths`` (:func:`stamp_lines`, then the sha256 of those lines) to ``out``
-    atomically; return that digest."""
+def write_stamp(paths: list[str | Path], out: str | Path, settings: Any = None) -> str:
+    """Write the stamp of ``paths`` (:func:`stamp_lines`, and ``settings`` as one line of sorted JSON
+    when given, then the sha256 of those lines) to ``out`` atomically; return that digest."""
     lines = stamp_lines(paths)
+    if settings is not None:
+        lines.append(f"settings {json.dumps(settings, sort_keys=True, ensure_ascii=False)}")
     digest = sha256_text("\n".join(lines))
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, "".join(f"{line}\n" for line in lines) + f"{digest}  (all)\n")
