@@ -1,5 +1,9 @@
 # eagledata: prompts -> responses -> exact token ids -> validation -> EAGLE-3 hidden states.
 # Targets: `all` (every dataset), or one rule per dataset named after it (`snakemake --cores 8 B3`).
+import os
+import sys
+from pathlib import Path
+
 from snakemake.utils import min_version, validate
 
 from eagledata.config import validate_workflow_config
@@ -18,6 +22,23 @@ if not config:
 # the nearest known key (Snakemake's validate names neither); then Snakemake's, same schema.
 validate_workflow_config(config, workflow.configfiles)
 validate(config, "config/schema.yaml")
+
+# A rule that runs its script as a shell command (token_shard: one job per shard, where the script
+# directive's preamble, importing snakemake.script, costs every job about 0.25 s) calls
+# "$EAGLEDATA_PYTHON" "$EAGLEDATA_SCRIPTS/NAME.py": the interpreter the script directive would pick
+# (this Snakemake's own; a deployed conda env's or container's `python` when one is active) and this
+# workflow's scripts/. Environment variables, not paths in the command, so a moved checkout does not
+# change the rule's code (which would rerun every shard).
+if workflow.deployment_settings.deployment_method:
+    os.environ["EAGLEDATA_PYTHON"] = "python"
+else:
+    os.environ["EAGLEDATA_PYTHON"] = sys.executable
+os.environ["EAGLEDATA_SCRIPTS"] = str(Path(workflow.basedir) / "scripts")
+
+
+envvars:
+    "EAGLEDATA_PYTHON",
+    "EAGLEDATA_SCRIPTS",
 
 
 include: "rules/common.smk"

@@ -46,8 +46,11 @@ rule token_shard:
         "benchmarks/out/{dataset}/token_shard/{shard}.tsv"
     conda:
         "../envs/core.yaml"
-    script:
-        "../scripts/token_shard.py"
+    # a shell command, not script: (EAGLEDATA_PYTHON, EAGLEDATA_SCRIPTS: rules/common.smk); the
+    # tokenizer settings come from the stamp
+    shell:
+        '"$EAGLEDATA_PYTHON" "$EAGLEDATA_SCRIPTS/token_shard.py" --slice {input.slice:q} --stamp {input.stamp:q} '
+        "--part {output.part:q} --summary {output.summary:q} --log {log:q}"
 
 
 # The shards live in {dataset}/tokens.store, which is not an output: Snakemake deletes a directory()

@@ -1,18 +1,28 @@
-"""Snakemake entry for rule `token_shard` (plumbing only; logic in eagledata.tokens.pershard)."""
-import logging
+"""Entry for rule `token_shard` (plumbing only; logic in eagledata.tokens.pershard), run as a shell
+command rather than through Snakemake's script directive (one job per shard: its preamble would cost
+each about 0.25 s); the tokenizer's settings are read from the stage stamp the rule declares.
 
-from eagledata.config import dataset_settings, load_model_tokenizer
+    python scripts/token_shard.py --slice S --stamp T --part P --summary J --log L
+"""
+import argparse
+import logging
+from pathlib import Path
+
+from eagledata.codeinputs import stamp_settings
+from eagledata.config import tokenizer_from_settings
 from eagledata.io import quick_exit
 from eagledata.tokens.pershard import peak_memory_mb, reconstruct_shard, slice_sources
 
-sm = snakemake  # noqa: F821 - injected by Snakemake
-logging.basicConfig(filename=sm.log[0], level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+for name in ("slice", "stamp", "part", "summary", "log"):
+    ap.add_argument(f"--{name}", required=True)
+args = ap.parse_args()
+logging.basicConfig(filename=args.log, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 try:
-    ds = dataset_settings(sm.config, sm.wildcards.dataset)
-    tokenizer = load_model_tokenizer(sm.config, ds.model_name)
-    where, responses = slice_sources(sm.input.slice)
-    summary = reconstruct_shard(sm.input.slice, where, responses, sm.output.part, sm.output.summary, tokenizer, ds.family)
-    logging.info("%s shard %s: %d samples reconstructed", ds.name, sm.wildcards.shard, summary["rows"])
+    tokenizer, family = tokenizer_from_settings(stamp_settings(args.stamp))
+    where, responses = slice_sources(args.slice)
+    summary = reconstruct_shard(args.slice, where, responses, args.part, args.summary, tokenizer, family)
+    logging.info("shard %s: %d samples reconstructed", Path(args.slice).stem, summary["rows"])
     logging.info("peak memory %.0f MB", peak_memory_mb())
 except Exception:
     logging.exception("token_shard failed")

@@ -176,6 +176,14 @@ def stamp_lines(paths: list[str | Path]) -> list[str]:
     return lines
 
 
+def stamp_settings(path: str | Path) -> Any:
+    """The ``settings`` a stamp was written with (:func:`write_stamp`); None when it has none."""
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if line.startswith("settings "):
+            return json.loads(line[len("settings "):])
+    return None
+
+
 def write_stamp(paths: list[str | Path], out: str | Path, settings: Any = None) -> str:
     """Write the stamp of ``paths`` (:func:`stamp_lines`, and ``settings`` as one line of sorted JSON
     when given, then the sha256 of those lines) to ``out`` atomically; return that digest."""

@@ -269,6 +269,19 @@ def dataset_settings(config: Mapping[str, Any], name: str) -> DatasetSettings:
     )
 
 
+def tokenizer_from_settings(settings: Mapping[str, Any]):
+    """(tokenizer, family) of a model's tokenizer settings as a stage stamp carries them
+    (rules/common.smk ``tokenizer_settings``: the model's ``tokenizer``, ``tokenizer_kind``,
+    ``trust_remote_code``, ``chat_template``, ``family`` and the config's ``family_definition``):
+    what :func:`load_model_tokenizer` and :func:`dataset_settings` give for that model."""
+    name = settings["family"]
+    definition = settings.get("family_definition")
+    families = {name: definition} if definition is not None else {}
+    model = {k: v for k, v in settings.items() if k != "family_definition" and v is not None}
+    config = {"models": {"model": model}, "families": families}
+    return load_model_tokenizer(config, "model"), get_family(name, families)
+
+
 def load_model_tokenizer(config: Mapping[str, Any], model_name: str):
     """Load (and self-check) the tokenizer of ``models.<model_name>``."""
     from eagledata.text.tokenizer import load_tokenizer
