@@ -166,3 +166,30 @@ def test_rank_tables_are_cached_by_content_and_a_damaged_entry_is_decoded_again(
     assert load_tokenizer(src, fam).encode_plain(sample) == expected
     monkeypatch.setenv("EAGLEDATA_CACHE_DIR", "")  # empty: no cache
     assert load_tokenizer(src, fam).encode_plain(sample) == expected
+
+
+def test_tokenizer_settings_of_a_stage_stamp_load_what_the_config_loads(tmp_path):
+    """token_shard loads its tokenizer from the settings its stage stamp carries (rules/common.smk
+    tokenizer_settings); they give the tokenizer and family the config gives, a config-defined family
+    and a chat template override included."""
+    from eagledata.codeinputs import stamp_settings, write_stamp
+    from eagledata.config import load_model_tokenizer, tokenizer_from_settings
+
+    src = need_shared("tokenizers", "kimi-k2.5")
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    families = {"k25-local": {"base": "kimi-k2.5", "tool_declaration": "json"}}
+    model = {"family": "k25-local", "tokenizer": str(src), "tokenizer_kind": "auto", "trust_remote_code": False,
+             "chat_template": str(template)}
+    config = {"models": {"m": model}, "families": families}
+    settings = {**{k: model.get(k) for k in ("tokenizer", "tokenizer_kind", "trust_remote_code", "chat_template", "family")},
+                "family_definition": families["k25-local"]}
+    write_stamp([template], tmp_path / "stamp.sha256", settings=settings)
+    tok, fam = tokenizer_from_settings(stamp_settings(tmp_path / "stamp.sha256"))
+    ref = load_model_tokenizer(config, "m")
+    assert tok.fingerprint == ref.fingerprint and tok.chat_template == template.read_text()
+    assert fam == get_family("k25-local", families) and fam.tool_declaration == "json" != get_family("kimi-k2.5").tool_declaration
+    write_stamp([template], tmp_path / "plain.sha256")
+    assert stamp_settings(tmp_path / "plain.sha256") is None
+    with pytest.raises(Exception, match="no tokenizer settings"):
+        tokenizer_from_settings(None)

@@ -269,11 +269,15 @@ def dataset_settings(config: Mapping[str, Any], name: str) -> DatasetSettings:
     )
 
 
-def tokenizer_from_settings(settings: Mapping[str, Any]):
+def tokenizer_from_settings(settings: Mapping[str, Any] | None):
     """(tokenizer, family) of a model's tokenizer settings as a stage stamp carries them
     (rules/common.smk ``tokenizer_settings``: the model's ``tokenizer``, ``tokenizer_kind``,
     ``trust_remote_code``, ``chat_template``, ``family`` and the config's ``family_definition``):
-    what :func:`load_model_tokenizer` and :func:`dataset_settings` give for that model."""
+    what :func:`load_model_tokenizer` and :func:`dataset_settings` give for that model. ``None`` (a
+    stamp without settings, written by an older eagledata) is refused: rerun its stamp job."""
+    if settings is None:
+        raise ConfigError("the stage stamp carries no tokenizer settings (written by an older eagledata): "
+                          "rerun it (snakemake -R stage_stamp)")
     name = settings["family"]
     definition = settings.get("family_definition")
     families = {name: definition} if definition is not None else {}
