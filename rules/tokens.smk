@@ -5,8 +5,8 @@
 # shard and gathers them into tokens/ (manifest.json and hard links into tokens.store/). Slices, parts
 # and the store live under results/{dataset}/ outside any directory() output, so an unchanged shard
 # keeps its files (bytes and mtimes) and reruns nothing. Input functions (token_parts and friends) are
-# in rules/common.smk; token_shard declares one stamp (stage_stamp, rules/stamps.smk) for its code and
-# the tokenizer.
+# in rules/common.smk; token_shard declares one stamp (stage_stamp, rules/stamps.smk) for its code,
+# the tokenizer's files and its settings (which the job reads from it).
 
 
 checkpoint token_plan:
@@ -46,7 +46,7 @@ rule token_shard:
         "benchmarks/out/{dataset}/token_shard/{shard}.tsv"
     conda:
         "../envs/core.yaml"
-    # a shell command, not script: (EAGLEDATA_PYTHON, EAGLEDATA_SCRIPTS: rules/common.smk); the
+    # a shell command, not script: (EAGLEDATA_PYTHON and EAGLEDATA_SCRIPTS: set in the Snakefile); the
     # tokenizer settings come from the stamp
     shell:
         '"$EAGLEDATA_PYTHON" "$EAGLEDATA_SCRIPTS/token_shard.py" --slice {input.slice:q} --stamp {input.stamp:q} '
