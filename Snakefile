@@ -4,6 +4,7 @@ import os
 import sys
 from pathlib import Path
 
+from snakemake.settings.types import DeploymentMethod
 from snakemake.utils import min_version, validate
 
 from eagledata.config import validate_workflow_config
@@ -26,10 +27,10 @@ validate(config, "config/schema.yaml")
 # A rule that runs its script as a shell command (token_shard: one job per shard, where the script
 # directive's preamble, importing snakemake.script, costs every job about 0.25 s) calls
 # "$EAGLEDATA_PYTHON" "$EAGLEDATA_SCRIPTS/NAME.py": the interpreter the script directive would pick
-# (this Snakemake's own; a deployed conda env's or container's `python` when one is active) and this
-# workflow's scripts/. Environment variables, not paths in the command, so a moved checkout does not
-# change the rule's code (which would rerun every shard).
-if workflow.deployment_settings.deployment_method:
+# (this Snakemake's own; the rule's conda env's `python` under --sdm conda: the rules declare conda
+# envs, no container or module) and this workflow's scripts/. Environment variables, not paths in the
+# command, so a moved checkout does not change the rule's code (which would rerun every shard).
+if DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method:
     os.environ["EAGLEDATA_PYTHON"] = "python"
 else:
     os.environ["EAGLEDATA_PYTHON"] = sys.executable
