@@ -71,10 +71,11 @@ def fsync_dir(path: str | Path) -> None:
 
 @contextlib.contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary path next to ``path``; when the block succeeds the file written there is
-    fsync'ed and replaces ``path`` atomically; when it fails the temporary file is removed."""
+    """Yield a temporary path next to ``path``, its own to this writer (process id and a random part:
+    writers on several hosts may share a directory); when the block succeeds the file written there
+    is fsync'ed and replaces ``path`` atomically; when it fails the temporary file is removed."""
     path = Path(path)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
     try:
         yield tmp
         if tmp.is_file():

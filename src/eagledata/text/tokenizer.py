@@ -33,13 +33,13 @@ import marshal
 import os
 import re
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Protocol, Sequence
 
 from eagledata.text.families import ModelFamily
 from eagledata.errors import EagledataError
+from eagledata.io import atomic_write_bytes
 
 TIKTOKEN_MAX_ENCODE_CHARS = 400_000
 MAX_NO_WHITESPACES_CHARS = 25_000
@@ -190,17 +190,9 @@ def cached_tiktoken_ranks(path: Path, data: bytes, digest: bytes) -> dict[bytes,
     ranks = read_tiktoken_ranks(path, data)
     if entry is not None:
         payload = marshal.dumps(ranks)
-        tmp = None
-        try:  # a file of its own per writer (jobs on several nodes may share the cache), then renamed
+        with contextlib.suppress(OSError):
             entry.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=entry.parent, prefix=f".{entry.name}.", delete=False) as fh:
-                tmp = Path(fh.name)
-                fh.write(hashlib.sha256(payload).digest() + payload)
-            os.replace(tmp, entry)
-        except OSError:
-            if tmp is not None:
-                with contextlib.suppress(OSError):
-                    tmp.unlink()
+            atomic_write_bytes(entry, hashlib.sha256(payload).digest() + payload)
     return ranks
 
 
