@@ -193,10 +193,12 @@ def test_a_template_matches_every_text_line_of_its_shape_and_no_other():
     first = json.loads(lines[0][6:])
     template = learn_chunk_template(lines[0][6:], first, {"content": "content", "reasoning": "reasoning", "text": "details"})
     assert template.kinds == ("content", "reasoning", "details")
-    found, holes = template.match_lines(lines, 0, len(lines))
+    found, texts = template.match_lines(lines, 0, len(lines))
     assert found == [2 * i for i in range(len(TRICKY))]  # the thinking lines, not the answer or the tool call
-    assert [json.loads(h) for h in holes[1]] == [json.loads(json.dumps(t)) for t in TRICKY] == \
-        [json.loads(h) for h in holes[2]]
+    assert texts[1] == [json.loads(json.dumps(t)) for t in TRICKY] == texts[2] and texts[0] == [""] * len(TRICKY)
+    # the same lines checked one pattern match each (the path for lines the one parse cannot prove)
+    assert template._match_each(found, [lines[i][len("data: " + template.literals[0]):-len(template.literals[-1])]
+                                        for i in found]) == (found, texts)
     # a key spelled twice, or with escapes, gets no template
     assert learn_chunk_template('{"content":"a","x":{"content":"b"}}', {"content": "a", "x": {"content": "b"}},
                                 {"content": "content"}) is None
@@ -213,3 +215,31 @@ def test_a_line_cut_after_its_text_is_not_read_as_a_template_line():
     for body in (raw.replace(whole, cut), _stream_lines(_unique_lines(chunks)).replace('"content": "c"}', '"content": "c"')):
         p = parse_response(body)
         assert not p.ok and p.error.where == "malformed", p
+
+
+def test_the_one_parse_of_a_templates_holes_proves_each_is_one_string_token():
+    """_strings_at_holes answers only when every piece is exactly one JSON string token (whatever the
+    pieces hold: quotes, escapes, commas, brackets spread over several lines), else leaves the lines
+    to one pattern match each."""
+    import random
+    from eagledata.tokens.chunk_templates import _middle_patterns, _strings_at_holes
+    rng = random.Random(11)
+    bits = ['"', 'a', '\\', ',', '\\"', ' ', '[', ']', '"a"', '\\\\', '\\u00e9', ':', '{"k":1}']
+    answered = 0
+    for _ in range(20000):
+        inner = rng.choice([(), ("|",), ("|", "::")])
+        middles = []
+        for _ in range(rng.randint(1, 4)):
+            pieces = ['"' + "".join(rng.choice(bits) for _ in range(rng.randint(0, 3))) + '"'
+                      if rng.random() < 0.8 else "".join(rng.choice(bits) for _ in range(rng.randint(0, 4)))
+                      for _ in range(len(inner) + 1)]
+            middles.append(pieces[0] + "".join(lit + p for lit, p in zip(inner, pieces[1:])))
+        got = _strings_at_holes(middles, inner)
+        if got is None:
+            continue
+        answered += 1
+        one, _ = _middle_patterns(inner)  # the pattern match each line gets otherwise: the reference
+        matches = [one.fullmatch(m) for m in middles]
+        assert all(matches), middles
+        assert got == [[json.loads(m.group(h + 1)) for m in matches] for h in range(len(inner) + 1)], middles
+    assert answered > 1000

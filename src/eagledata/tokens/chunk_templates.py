@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+import operator
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -65,21 +66,81 @@ class ChunkTemplate:
     def match_lines(self, lines: Sequence[str], start: int, end: int) -> tuple[list[int], list[list[str]]]:
         """The indices of the lines in ``lines[start:end]`` that are ``data: `` lines of this
         template, each being ``data: `` and the literals around one JSON string token per hole, and
-        those tokens, hole by hole (``holes[h][j]`` is hole ``h`` of the ``j``-th matched line)."""
+        those strings decoded, hole by hole (``texts[h][j]`` is hole ``h`` of the ``j``-th matched
+        line). Raises ``ValueError`` when a matched token does not decode (an invalid escape)."""
         head, tail = "data: " + self.literals[0], self.literals[-1]
-        first, last = len(head), len(tail)
         head_q, q_tail = head + '"', '"' + tail
-        starts = itertools.compress(range(start, end), map(str.startswith, lines[start:end], itertools.repeat(head_q)))
-        found = [i for i in starts if lines[i].endswith(q_tail)]
-        middles = [lines[i][first:len(lines[i]) - last] for i in found]
+        segment = lines[start:end]
+        at_head = list(map(str.startswith, segment, itertools.repeat(head_q)))
+        found = list(itertools.compress(range(start, end), at_head))
+        matched = list(itertools.compress(segment, at_head))
+        at_tail = list(map(str.endswith, matched, itertools.repeat(q_tail)))
+        if not all(at_tail):
+            found, matched = list(itertools.compress(found, at_tail)), list(itertools.compress(matched, at_tail))
+        cut = slice(len(head), -len(tail) if tail else None)
+        middles = list(map(operator.getitem, matched, itertools.repeat(cut)))
+        texts = _strings_at_holes(middles, self.literals[1:-1])
+        if texts is not None:
+            return found, texts
+        return self._match_each(found, middles)
+
+    def _match_each(self, found: list[int], middles: list[str]) -> tuple[list[int], list[list[str]]]:
+        """:meth:`match_lines` for ``middles`` (the matched lines between the first and last
+        literal) one pattern match each: the lines that hold something else at a hole are left out."""
         one, joined = _middle_patterns(self.literals[1:-1])
         width = len(self.kinds) + 1
         parts = joined.split("\n".join(middles) + "\n") if middles else [""]
         if len(parts) == len(middles) * width + 1 and not any(parts[0::width]):
-            return found, [parts[h::width] for h in range(1, width)]
-        matches = [one.fullmatch(m) for m in middles]  # some line is not (rare): check each
-        kept = [(i, m.groups()) for i, m in zip(found, matches) if m is not None]
-        return [i for i, _ in kept], [[g[h] for _, g in kept] for h in range(width - 1)]
+            found, holes = found, [parts[h::width] for h in range(1, width)]
+        else:  # some line is not (rare): check each
+            matches = [one.fullmatch(m) for m in middles]
+            kept = [(i, m.groups()) for i, m in zip(found, matches) if m is not None]
+            found, holes = [i for i, _ in kept], [[g[h] for _, g in kept] for h in range(width - 1)]
+        raw = [token for hole in holes for token in hole]
+        decoded = loads_json("[" + ",".join(raw) + "]") if raw else []
+        n = len(found)
+        return found, [decoded[h * n:(h + 1) * n] for h in range(width - 1)]
+
+
+def _strings_at_holes(middles: list[str], inner: tuple[str, ...]) -> list[list[str]] | None:
+    """The decoded strings of ``middles`` hole by hole when every middle is one JSON string token
+    per hole with the ``inner`` literals between them; ``None`` when that is not proven (the caller
+    then matches each line). One parse of them all, no pattern match: each middle is cut at the
+    inner literals into pieces, and the pieces, each starting with a quote and ending with a quote
+    that no backslash precedes, are parsed as one array ``[p1,p2,...]``. In that text every such
+    first quote follows ``[`` or ``,`` and every such last quote follows no backslash, so all of them
+    are unescaped, and they are 2 per piece; an array of exactly as many strings as pieces has
+    exactly 2 unescaped quotes per string and no other, so each piece is exactly one string token
+    (wherever a cut fell, the middle is then those tokens with the inner literals between them)."""
+    if not middles:
+        return [[] for _ in range(len(inner) + 1)]
+    pieces = middles if not inner else _cut_at(middles, inner)
+    if pieces is None or min(map(len, pieces)) < 2 or any(map(str.endswith, pieces, itertools.repeat('\\"'))) \
+            or not all(map(str.startswith, pieces, itertools.repeat('"'))) \
+            or not all(map(str.endswith, pieces, itertools.repeat('"'))):
+        return None
+    try:
+        decoded = loads_json("[" + ",".join(pieces) + "]")
+    except ValueError:
+        return None
+    if len(decoded) != len(pieces) or set(map(type, decoded)) != {str}:
+        return None
+    width = len(inner) + 1
+    return [decoded[h::width] for h in range(width)]
+
+
+def _cut_at(middles: list[str], inner: tuple[str, ...]) -> list[str] | None:
+    """Every middle cut at the first occurrences of the ``inner`` literals in turn, the pieces in
+    order; ``None`` when a middle lacks one."""
+    pieces: list[str] = []
+    for middle in middles:
+        for literal in inner:
+            piece, sep, middle = middle.partition(literal)
+            if not sep:
+                return None
+            pieces.append(piece)
+        pieces.append(middle)
+    return pieces
 
 
 def learn_chunk_template(payload: str, chunk: Any, fields: Mapping[str, str]) -> ChunkTemplate | None:

@@ -199,22 +199,24 @@ def _read_templated(lines: list[str], start: int, end: int, template: ChunkTempl
                     stream: "_StreamAssembly") -> None:
     """Fold ``lines[start:end]`` into ``stream``: each line the template matches adds its texts
     (all decoded in one parse); the other lines between two matches are read by :func:`_read_lines`."""
-    found, holes = template.match_lines(lines, start, end)
-    raw = [token for hole in holes for token in hole]
-    decoded = loads_json("[" + ",".join(raw) + "]") if raw else []
+    found, texts = template.match_lines(lines, start, end)
+    per_hole = [(stream.texts[kind], texts[h]) for h, kind in enumerate(template.kinds)]
     n = len(found)
-    per_hole = [(stream.texts[kind], decoded[h * n:(h + 1) * n]) for h, kind in enumerate(template.kinds)]
-    added, prev = 0, start - 1
-    for k, i in enumerate(found + [end]):
+    if n and found[-1] - found[0] == 2 * (n - 1) and not any(lines[found[0] + 1:found[-1]:2]):
+        # the usual stream: every other line matched, blank lines between; only its ends can hold others
+        steps: Any = ((0, found[0], start - 1), (n, end, found[-1]))
+    else:
+        steps = zip(range(n + 1), found + [end], [start - 1] + found)
+    added = 0
+    for k, i, prev in steps:  # k: the matched lines before line i; prev: the line before them
         gap = i - prev
         if gap > 2 or (gap == 2 and lines[i - 1]):  # a line between two matches that is not blank
-            for into, texts in per_hole:
-                into += texts[added:k]
+            for into, hole in per_hole:
+                into += hole[added:k]
             added = k
             _read_lines(lines, prev + 1, i, stream)
-        prev = i
-    for into, texts in per_hole:
-        into += texts[added:]
+    for into, hole in per_hole:
+        into += hole[added:]
 
 
 def _text_fields(chunk: Any) -> dict[str, str] | None:
