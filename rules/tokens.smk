@@ -1,5 +1,5 @@
 # The tokens stage (eagledata.tokens.pershard): the checkpoint token_plan cuts a dataset's responses
-# into stable shards (keys, and per shard a slice: its ids and records' sha256), token_shard reconstructs one shard
+# into stable shards (keys, and per shard a slice: its ids and records' digests), token_shard reconstructs one shard
 # (the heavy step, one job per shard: --cores N runs N at once), and tokens learns the dataset's
 # conventions from the per-shard summaries, the repairs each provider is proven to apply, judges every
 # shard and gathers them into tokens/ (manifest.json and hard links into tokens.store/). Slices, parts

@@ -96,7 +96,7 @@ def test_slices_of_unchanged_shards_keep_bytes_and_mtime(tmp_path):
 
 @needs_recorded
 def test_a_slice_names_its_records_and_refuses_one_changed_after_the_plan(tmp_path):
-    """A slice holds ids and sha256s (not the records: about 100 bytes a sample); its shard job reads
+    """A slice holds ids and digests (not the records: about 100 bytes a sample); its shard job reads
     each record from the responses at its offset, and refuses one whose bytes changed since the plan,
     naming the responses file and line."""
     fam = get_family("kimi-k2")

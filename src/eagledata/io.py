@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator, NoReturn
 
 import orjson
+import xxhash
 
 from eagledata.errors import InputError
 
@@ -36,6 +37,15 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
         for block in iter(lambda: fh.read(chunk), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def line_digest(line: bytes) -> str:
+    """A record line's content digest (hex XXH3-128, from the xxhash library): what the tokens
+    plan keeps of each record to see it change and a shard job checks the record it reads against.
+    A check of change, not of trust: a 128-bit digest that no edit is likely to collide with, about
+    sixty times faster than sha256 on a streamed drafter record of 300 KB (sha256 was a tenth of
+    the stage's time, paid twice). Files keep sha256 (``sha256_file``)."""
+    return xxhash.xxh3_128_hexdigest(line)
 
 
 def quick_exit(code: int = 0) -> NoReturn:

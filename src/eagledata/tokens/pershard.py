@@ -7,7 +7,8 @@ shard, and steps 3-5 together (:func:`learn_and_judge`, the ``tokens`` rule):
 1. :func:`plan_shards` (a checkpoint): streams the responses' ids (every record checked, as the
    one-job stage checks them), cuts them by the stable rule (:func:`~eagledata.tokens.shards.shard_groups`)
    and writes ``plan.json`` (shard key -> rows, first and last id) and, per shard, a *slice*,
-   ``slices/{key}.tsv`` (what the shard holds, id order: ``json(id) TAB sha256 of the record's line``)
+   ``slices/{key}.tsv`` (what the shard holds, id order: ``json(id) TAB digest of the record's line``,
+   :func:`~eagledata.io.line_digest`)
    and where its records are, ``where/{key}.tsv`` (``byte offset TAB length TAB line number`` in the
    responses file). The records are not copied: a slice is about 100 bytes a sample whatever the
    responses' size. A slice whose bytes did not change is left untouched (same bytes, same mtime),
@@ -16,7 +17,7 @@ shard, and steps 3-5 together (:func:`learn_and_judge`, the ``tokens`` rule):
    A shard's **key** is the first 16 hex of the sha256 of its first id: stable while that shard's
    first id is, and the same key extraction jobs can follow later.
 2. :func:`reconstruct_shard` (per shard, the heavy one): the slice's records, read from the responses
-   at their offsets and checked against the slice's sha256 -> ``parts/{key}.parquet``
+   at their offsets and checked against the slice's digests -> ``parts/{key}.parquet``
    (ids and everything verdicts are computed from) + ``parts/{key}.summary.json`` (a few hundred bytes
    of counters: :mod:`eagledata.tokens.summaries`).
 3. :func:`learn_summaries`: the summaries only -> ``learned.json`` (count conventions,
@@ -54,7 +55,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import polars as pl
 
-from eagledata.io import atomic_path, atomic_write_json, loads_json, replace_unless_same, sha256_file
+from eagledata.io import atomic_path, atomic_write_json, line_digest, loads_json, replace_unless_same, sha256_file
 from eagledata.text.families import ModelFamily
 from eagledata.text.tokenizer import Tokenizer
 from eagledata.tokens.planscan import Entry, RecordScan
@@ -67,7 +68,7 @@ from eagledata.tokens.shards import (PASS1_SCHEMA, MAX_SHARD_FACTOR, Judge, Resp
                                      shard_name)
 
 log = logging.getLogger(__name__)
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: a slice holds each record's io.line_digest (1: its sha256)
 SHARDING_RULE = "ids sorted; a shard starts at each id with int(sha256(id), 16) % shard_size == 0"
 #: Columns a part carries beyond the final shard's first columns (dropped when judged).
 _STATS_SCHEMA: Mapping[str, Any] = {"has_eot": pl.Boolean, "codes": pl.List(pl.Utf8), "has_tools": pl.Boolean,
@@ -138,7 +139,7 @@ def plan_shards(responses_path: str | Path, plan_path: str | Path, slices_dir: s
     plan = {"version": PLAN_VERSION, "dataset": dataset, "source": str(responses_path),
             "source_sha256": digest, "rows": rows,
             "sharding": {"rule": SHARDING_RULE, "shard_size": shard_size, "max_rows": MAX_SHARD_FACTOR * shard_size,
-                         "key": "sha256(first id)[:16]"},
+                         "key": "sha256(first id)[:16]", "record_digest": "xxh3_128 of the record's line"},
             "shards": shards}
     atomic_write_json(plan_path, plan)
     return {**plan, "slices_written": written}
@@ -242,17 +243,17 @@ def slice_sources(slice_path: str | Path) -> tuple[Path, str]:
 def iter_slice(slice_path: str | Path, where_path: str | Path,
                responses_path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
     """(id, record) of every sample of a slice, in id order: each record's line read from the
-    responses at its offset (``where_path``) and refused unless its sha256 is the slice's (the
+    responses at its offset (``where_path``) and refused unless its digest is the slice's (the
     responses changed after the plan: rerun it)."""
     with open(slice_path, "rb") as ids, open(where_path, "rb") as at, open(responses_path, "rb") as src:
         for n, (entry, place) in enumerate(itertools.zip_longest(ids, at), 1):
             if entry is None or place is None:
                 raise ResponsesFileError(f"{slice_path}: {where_path} does not list its records (line {n}): rerun token_plan")
-            sid_json, _, sha = entry.rstrip(b"\n").partition(b"\t")
+            sid_json, _, digest = entry.rstrip(b"\n").partition(b"\t")
             offset, length, lineno = (int(x) for x in place.split(b"\t"))
             src.seek(offset)
             line = src.read(length)
-            if hashlib.sha256(line).hexdigest().encode("ascii") != sha:
+            if line_digest(line).encode("ascii") != digest:
                 raise ResponsesFileError(f"{responses_path}:{lineno}: not the record token_plan saw there "
                                          f"(id {loads_json(sid_json)!r}): the responses changed after the plan; rerun token_plan")
             yield loads_json(sid_json), checked_record(loads_json(line), f"{responses_path}:{lineno}")

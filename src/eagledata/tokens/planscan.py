@@ -1,7 +1,8 @@
 """The plan's one read of a responses file, in parallel byte ranges when it is large.
 
 The plan (:func:`eagledata.tokens.pershard.plan_shards`) checks every record as the one-job stage
-checks it and needs, of each, its id, line number, byte offset, length and the sha256 of its line,
+checks it and needs, of each, its id, line number, byte offset, length and the digest of its line
+(:func:`~eagledata.io.line_digest`),
 and the file's sha256 (the manifest's ``source_sha256``). :class:`RecordScan` gives those:
 
 - in one pass in this process for a small file (or ``workers=1``);
@@ -26,12 +27,13 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
-from eagledata.io import BLANK_LINE, ResponsesFileError, iter_lines_at, json_line_value, open_lines, sha256_file
+from eagledata.io import (BLANK_LINE, ResponsesFileError, iter_lines_at, json_line_value, line_digest, open_lines,
+                          sha256_file)
 from eagledata.tokens.planfile import plan_processes
 from eagledata.tokens.samples import record_id
 from eagledata.tokens.shards import checked_record
 
-#: (id, line number, byte offset, length without the line break, sha256 of the line)
+#: (id, line number, byte offset, length without the line break, digest of the line: io.line_digest)
 Entry = tuple[str, int, int, int, str]
 
 
@@ -92,7 +94,7 @@ class RecordScan:
 
 def scan_range(path: str, start: int, end: int, out: str) -> tuple[int, tuple[int, str] | None]:
     """One worker's range of ``path`` (the lines starting in ``[start, end)``) -> ``out``, a row per
-    record (``json(id or null) TAB line in the range TAB offset TAB length TAB sha256``). Returns the
+    record (``json(id or null) TAB line in the range TAB offset TAB length TAB digest``). Returns the
     number of lines read and, for a bad record, ``(its line in the range, the error's message)``
     (the range is not read further)."""
     lines = 0
@@ -117,7 +119,7 @@ def _entry(path: Path, lineno: int, offset: int, raw: bytes) -> tuple | None:
         return None
     sid = record_id(checked_record(rec, where), None)  # named after its global line later
     line = raw.rstrip(b"\r\n")
-    return sid, lineno, offset, len(line), hashlib.sha256(line).hexdigest()
+    return sid, lineno, offset, len(line), line_digest(line)
 
 
 def _line_starts(path: Path, parts: int) -> list[int]:
