@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from eagledata.io import BLANK_LINE, LINE_BUFFER, ResponsesFileError, iter_lines_at, json_line_value, open_lines
+from eagledata.io import BLANK_LINE, LINE_BUFFER, ResponsesFileError, iter_lines_at, json_line_value, loads_json, open_lines
 
 READ_AS_JSON = [
     b'{"id": "a", "x": [1, 2.5, null, true]}\n',
@@ -65,3 +65,11 @@ def test_quick_exit_keeps_the_log_and_the_status(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 3 and done.stdout == "to stdout"
     assert "reconstructed 3 samples" in log.read_text()
+
+
+def test_json_nested_too_deeply_is_invalid_json_not_a_crash(tmp_path):
+    deep = "[" * 5000 + "]" * 5000
+    with pytest.raises(json.JSONDecodeError, match="nested too deeply"):
+        loads_json(deep)
+    with pytest.raises(ResponsesFileError, match=r"x.jsonl:3:\(json\): invalid JSON: nested too deeply"):
+        json_line_value(('{"a": ' + deep + "}").encode(), "x.jsonl:3", ResponsesFileError)

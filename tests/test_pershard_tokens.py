@@ -117,6 +117,10 @@ def test_a_slice_names_its_records_and_refuses_one_changed_after_the_plan(tmp_pa
     with pytest.raises(ps.ResponsesFileError, match=rf"{src}:{line}: not the record token_plan saw there .*rerun token_plan"):
         ps.reconstruct_shard(p["slice"], p["where"], src, p["part"], p["summary"], tok, fam)
     assert not p["part"].exists()
+    # a plan an older eagledata wrote (its slices hold other digests) is refused, naming the rerun
+    (tmp_path / "plan.json").write_text(json.dumps({**plan, "version": 1}))
+    with pytest.raises(ps.ResponsesFileError, match=r"plan.json: a plan of version 1, .*rerun token_plan"):
+        ps.slice_sources(p["slice"])
 
 
 @needs_recorded

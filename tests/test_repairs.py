@@ -116,3 +116,9 @@ def test_conventions_are_only_the_known_two(k25):
     stats = [SampleStats(f"s{i}", "Odd", "stop", 10, 20, 0, True, 10, 17, None) for i in range(5)]
     conv = learn_conventions(stats)  # billed 3 below ours: no known convention explains it
     assert conv["Odd"]["convention"] == "unknown"
+
+
+def test_arguments_nested_too_deeply_are_not_respaced_and_do_not_crash():
+    from eagledata.tokens.repairs import _respaced
+    assert _respaced('{"a":1,"b":[2,3]}') == '{"a": 1, "b": [2, 3]}' and _respaced('{"a": 1}') is None
+    assert _respaced("[" * 5000 + "]" * 5000) is None and _respaced('{"a":') is None

@@ -243,3 +243,18 @@ def test_the_one_parse_of_a_templates_holes_proves_each_is_one_string_token():
         assert all(matches), middles
         assert got == [[json.loads(m.group(h + 1)) for m in matches] for h in range(len(inner) + 1)], middles
     assert answered > 1000
+
+
+def test_a_body_nested_too_deeply_is_malformed_not_a_crash():
+    """JSON nested beyond what a parser reads (one chunk, a JSON body, or brackets opened in one text
+    line's hole and closed lines later, which only the joined holes nest) is a malformed body."""
+    deep = "[" * 1500 + "]" * 1500
+    text = [_delta(content=f"w{i}") for i in range(60)]
+    raw = _stream_lines(text + [_delta(finish="stop", content="")])
+    holes = ['"a",' + "[" * 400 + '"x"'] * 3 + ['"y"' + "]" * 1200 + ',"b"']
+    forged = raw.replace("data: [DONE]", "".join('data: {"id": "gen-9", "provider": "P", "model": "m", "object": '
+                                                 '"chat.completion.chunk", "created": 1, "choices": [{"index": 0, "delta": '
+                                                 '{"content": ' + h + '}, "finish_reason": null}]}\n\n' for h in holes) + "data: [DONE]")
+    for body in (raw.replace("data: [DONE]", f"data: {deep}\n\ndata: [DONE]"), deep, forged):
+        p = parse_response(body)
+        assert not p.ok and p.error.where == "malformed", p

@@ -146,11 +146,17 @@ def loads_json(data: str | bytes) -> Any:
     """``json.loads(data)``, faster: orjson first; the standard library when orjson refuses (a lone
     surrogate escape, NaN, invalid JSON), which gives its value or raises its own error. One
     difference remains: orjson reads an integer beyond 64 bits as a float (the standard library keeps
-    it exact); none occurs in API traffic, and a prompt rendered from one would miss its billed count."""
+    it exact); none occurs in API traffic, and a prompt rendered from one would miss its billed count.
+    A value nested too deeply for either (about 1,000 levels) is refused as invalid JSON (a
+    ``json.JSONDecodeError``, at position 0), not with the standard library's ``RecursionError``: the
+    callers that report bad input as a value catch ``ValueError``."""
     try:
         return orjson.loads(data)
     except orjson.JSONDecodeError:
-        return json.loads(data)
+        try:
+            return json.loads(data)
+        except RecursionError:
+            raise json.JSONDecodeError("nested too deeply to read (more than about 1,000 levels)", "", 0) from None
 
 
 def iter_json_lines(path: str | Path, error: type[Exception], what: str = "file",

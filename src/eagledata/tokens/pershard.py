@@ -237,7 +237,11 @@ def slice_sources(slice_path: str | Path) -> tuple[Path, str]:
     job costs the dry run about half a millisecond per shard."""
     slice_path = Path(slice_path)
     work = slice_path.parent.parent
-    return work_paths(work, slice_path.stem)["where"], read_plan(work / "plan.json")["source"]
+    plan = read_plan(work / "plan.json")
+    if plan.get("version") != PLAN_VERSION:
+        raise ResponsesFileError(f"{work / 'plan.json'}: a plan of version {plan.get('version')!r}, this eagledata reads "
+                                 f"version {PLAN_VERSION}: rerun token_plan (snakemake -R token_plan)")
+    return work_paths(work, slice_path.stem)["where"], plan["source"]
 
 
 def iter_slice(slice_path: str | Path, where_path: str | Path,

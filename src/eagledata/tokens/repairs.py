@@ -72,11 +72,10 @@ def parsed_from_segments(segments: list[Mapping[str, Any]], finish_reason: str |
 
 
 def _respaced(arguments: str) -> str | None:
-    try:
-        value = json.loads(arguments)
-    except ValueError:
+    try:  # a provider's arguments: nested too deeply for the standard library is no JSON to respace
+        spaced = json.dumps(json.loads(arguments), ensure_ascii=False)
+    except (ValueError, RecursionError):
         return None
-    spaced = json.dumps(value, ensure_ascii=False)
     return spaced if spaced != arguments else None
 
 

@@ -172,7 +172,7 @@ def _parse_payloads(payloads: list[str]) -> list[Any]:
         if len(chunks) != len(payloads):
             raise ValueError("chunk count changed")
     except ValueError:
-        chunks = [json.loads(p) for p in payloads]  # raises on the offending chunk
+        chunks = [loads_json(p) for p in payloads]  # raises on the offending chunk (json.loads's error)
     return chunks
 
 
