@@ -15,8 +15,13 @@ RESULTS = config["results_dir"]
 DATASETS = list(config["datasets"])
 IMPORTED_DATASETS = [d for d in DATASETS if config["datasets"][d].get("responses")]
 GENERATED_DATASETS = [d for d in DATASETS if d not in IMPORTED_DATASETS]
-TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "pattern.txt", "chat_template.jinja",
-                   "tokenizer.json", "special_tokens_map.json", "tokenizer.model")
+# The files a tokenizer directory's loaders read (tiktoken, Hugging Face fast and slow tokenizers and
+# the model config AutoTokenizer reads; weights are never among them), and its code (trust_remote_code).
+TOKENIZER_FILES = ("tiktoken.model", "pattern.txt", "tokenizer.json", "tokenizer_config.json",
+                   "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "spiece.model",
+                   "sentencepiece.bpe.model", "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja",
+                   "chat_template.json", "config.json")
+TOKENIZER_CODE = "tokenization_*.py"
 # Code inputs: every project module a rule's script imports (transitively, eagledata.codeinputs),
 # plus data files it reads. Editing any of them reruns that rule and what follows; generation
 # declares none, so no code change ever re-sends a paid request. A rule declares one stamp per script
@@ -70,7 +75,8 @@ def tokenizer_files(model_name):
         return [tok] + files
     path = Path(tok)
     if path.is_dir():
-        return [str(path / f) for f in TOKENIZER_FILES if (path / f).exists()] + files
+        code = sorted(str(p) for p in path.glob(TOKENIZER_CODE) if p.is_file())
+        return [str(path / f) for f in TOKENIZER_FILES if (path / f).exists()] + code + files
     return files
 
 

@@ -233,3 +233,23 @@ def test_editing_a_module_reruns_the_stages_that_import_it_and_never_generation(
     for path in modules:
         os.utime(path, (later, later))
     assert planned_jobs(work, env=env) == {}
+
+
+def test_a_hugging_face_tokenizers_files_and_code_are_inputs_its_weights_are_not(tmp_path):
+    """Every file a tokenizer directory's loaders read is an input of the stamp the token jobs declare
+    (so an edited merges.txt reruns them), its tokenization code too; weights beside them are not."""
+    work = copy_repo(tmp_path / "w")
+    tok = tmp_path / "hf-tokenizer"
+    tok.mkdir()
+    read = ("vocab.json", "merges.txt", "tokenizer_config.json", "added_tokens.json", "special_tokens_map.json",
+            "config.json", "tokenization_custom.py")
+    for name in read + ("model.safetensors", "README.md"):
+        (tok / name).write_text("{}")
+    (work / "responses.jsonl").write_text("")
+    configure(work, models={"m": {"family": "kimi-k2", "tokenizer": str(tok), "api_model": "org/m"}},
+              datasets={"d": {"model": "m", "responses": "responses.jsonl"}})
+    out = snakemake(work, "-n", "results/_code/datasets/d/tokens.sha256").stdout
+    job = out[out.index("rule stage_stamp:"):]
+    inputs = set(job[job.index("input:") + 6:job.index("\n", job.index("input:"))].replace(",", " ").split())
+    assert {str(tok / name) for name in read} <= inputs
+    assert not {str(tok / name) for name in ("model.safetensors", "README.md")} & inputs
