@@ -5,7 +5,8 @@
 rule demo_tokenizer:
     input:
         corpus="src/eagledata/data/corpus.txt",
-        code=code_of("scripts/build_demo_tokenizer.py"),
+        # the vendored Kimi K2.5 chat template it copies is a data file, not an import
+        code=code_of("scripts/build_demo_tokenizer.py", "templates/kimi-k2.5.jinja"),
     output:
         directory(f"{RESULTS}/_assets/demo-tokenizer"),
     log:

@@ -227,6 +227,10 @@ def test_editing_a_module_reruns_the_stages_that_import_it_and_never_generation(
                 assert rules <= set(jobs), (rel, script, jobs)
     unused = work / "src/eagledata/cli.py"  # the CLI is imported by no stage
     assert results[unused] == {}, results[unused]
+    # the package's data files a stage reads (not imported: read as resources) are its code inputs too
+    for data, rules in (("templates/kimi-k2.5.jinja", {"demo_tokenizer"}), ("templates/report.html.jinja", {"report"})):
+        jobs = _plan_after_edit(work, [Path("src/eagledata/data") / data], env)
+        assert rules <= set(jobs) and "generate" not in jobs, (data, jobs)
     # A touch is not a change: every module newer than every stamp, same bytes, plans nothing (the
     # stamp jobs compare the recorded checksums of their inputs).
     later = time.time() + 5
