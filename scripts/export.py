@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 from eagledata.export import trainers as export
+from eagledata.io import sha256_file
 
 smk = snakemake  # noqa: F821  (injected by Snakemake)
 logging.basicConfig(filename=smk.log[0], level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -15,7 +16,9 @@ log = logging.getLogger("eagledata.scripts.export")
 try:
     out = Path(smk.output[0])
     kind = smk.params.kind
-    kwargs = {"dtype": str(smk.params.dtype), "draft_vocab_size": int(smk.params.draft_vocab_size)}
+    # the code stamp's digest keys the store's entries: files older code wrote are not reused
+    kwargs = {"dtype": str(smk.params.dtype), "draft_vocab_size": int(smk.params.draft_vocab_size),
+              "code_version": sha256_file(smk.input.code[0])}
     if kind == "specforge":
         kwargs["group_size"] = int(smk.params.group_size)
     export.EXPORTERS[kind](smk.input.hidden, out, work_dir=out.parent / f".{out.name}.partial",

@@ -246,6 +246,14 @@ def test_exports_rewrite_only_changed_shards(setup, tmp_path, monkeypatch):
     # a changed setting (dtype) is another entry; the old ones are pruned
     f32 = xp.export_specforge(hidden, out, store_dir=store, dtype="float32")
     assert f32["shards_written"] == 2 and not set(entries) & set(store.iterdir())
+    # another version of the code (the workflow passes its code stamp's digest) writes its own entries:
+    # files older code wrote are never reused
+    f32_entries = sorted(store.iterdir())
+    v2 = xp.export_specforge(hidden, out, store_dir=store, dtype="float32", code_version="v2")
+    assert v2["shards_written"] == 2 and not set(f32_entries) & set(store.iterdir())
+    assert xp.export_speculators(hidden, tmp_path / "sp", store_dir=tmp_path / "sp.store", code_version="v2")["shards_written"] == 2
+    assert xp.export_speculators(hidden, tmp_path / "sp", store_dir=tmp_path / "sp.store", code_version="v2")["shards_written"] == 0
+    assert xp.export_speculators(hidden, tmp_path / "sp", store_dir=tmp_path / "sp.store", code_version="v3")["shards_written"] == 2
     # an export killed in the second shard keeps the first shard's entry for the next run
     from eagledata.export import specforge as sfm
 

@@ -280,9 +280,12 @@ class ExportRun:
 
 
 def start_export(trainer: str, hidden_dir: str | Path, out_dir: str | Path, dtype: str, dtype_key: str,
-                 draft_vocab_size: int, work_dir: str | Path | None, store_dir: str | Path | None) -> ExportRun:
+                 draft_vocab_size: int, work_dir: str | Path | None, store_dir: str | Path | None,
+                 code_version: str | None = None) -> ExportRun:
     """Read the hidden-state manifest, check the trainer dtype, size the draft vocabulary, open the
-    per-shard store (``OUT.store`` beside ``out_dir`` by default) and a fresh target directory."""
+    per-shard store (``OUT.store`` beside ``out_dir`` by default) and a fresh target directory.
+    ``code_version`` (the workflow passes its code stamp's digest) is part of every store entry's key,
+    so files another version of the code wrote are written again, never reused."""
     from eagledata.export.vocab import effective_draft_vocab
 
     hidden_dir, out_dir = Path(hidden_dir), Path(out_dir)
@@ -290,7 +293,7 @@ def start_export(trainer: str, hidden_dir: str | Path, out_dir: str | Path, dtyp
     tdtype = check_export_dtype(dtype, dtype_key)
     work = Path(work_dir) if work_dir else None
     store = ShardStore(Path(store_dir) if store_dir else out_dir.parent / f"{out_dir.name}.store", trainer,
-                       {"dtype": dtype})
+                       {"dtype": dtype, **({"code": code_version} if code_version else {})})
     return ExportRun(trainer, hidden_dir, out_dir, manifest, dtype, tdtype,
                      effective_draft_vocab(draft_vocab_size, manifest["vocab_size"]), draft_vocab_size, work, store,
                      fresh_target(out_dir, work))

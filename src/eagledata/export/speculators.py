@@ -77,12 +77,14 @@ def save_dataset(target: Path, hidden_dir: Path, rows: dict[str, list]) -> None:
 
 def export_speculators(hidden_dir: str | Path, out_dir: str | Path, *, dtype: str = "bfloat16",
                        draft_vocab_size: int = 32000, work_dir: str | Path | None = None,
-                       store_dir: str | Path | None = None) -> dict[str, Any]:
-    """Write vLLM speculators' data directory (module docstring). Returns the export metadata."""
+                       store_dir: str | Path | None = None,
+                       code_version: str | None = None) -> dict[str, Any]:
+    """Write vLLM speculators' data directory (module docstring). Returns the export metadata.
+    ``code_version``: see :func:`~eagledata.export.common.start_export`."""
     from safetensors.torch import save_file
 
     run = start_export("speculators", hidden_dir, out_dir, dtype, "speculators_dtype", draft_vocab_size, work_dir,
-                       store_dir)
+                       store_dir, code_version)
     built = assemble(run.hidden_dir, run.manifest, run.target, run.store,
                      lambda path, s, _shard: save_file(speculators_tensors(s, run.dtype), str(path)),
                      speculators_path, lambda row: f"hs_{row}.safetensors")
