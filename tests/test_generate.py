@@ -326,6 +326,14 @@ def test_simulator_backend_end_to_end_with_samples(tmp_path, k25, monkeypatch):
     assert generate_dataset(cfg, "d", out, log=quiet)["requested"] == 0
     cfg["simulator"]["seed"] = 4  # another simulated model: nothing cached applies
     assert generate_dataset(cfg, "d", out, log=quiet)["requested"] == 10
+    # another model family (here one defined in the config: same as kimi-k2.5 but not thinking) answers
+    # otherwise: its own cache keys, and the rule's params change so the rule reruns
+    before = request_params(dataset_settings(validate_config(cfg), "d"), validate_config(cfg))
+    cfg["families"] = {"k25-quiet": {"base": "kimi-k2.5", "thinking": False}}
+    cfg["models"]["m"]["family"] = "k25-quiet"
+    after = request_params(dataset_settings(validate_config(cfg), "d"), validate_config(cfg))
+    assert after != before and after["simulator"]["family_definition"] == cfg["families"]["k25-quiet"]
+    assert generate_dataset(cfg, "d", out, log=quiet)["requested"] == 10
 
 
 # --------------------------------------------------------------------------------------------

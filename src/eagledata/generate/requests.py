@@ -131,9 +131,16 @@ def request_params(settings: DatasetSettings, config: Mapping[str, Any]) -> dict
     if salt:
         params["endpoint"] = salt
     if settings.backend == "simulator":
-        params["simulator"] = simulator_settings(config)
+        params["simulator"] = {**simulator_settings(config), **simulated_family(config, settings)}
         params["price_per_mtok"] = dict(settings.model.get("price_per_mtok") or {})
     return params
+
+
+def simulated_family(config: Mapping[str, Any], settings: DatasetSettings) -> dict[str, Any]:
+    """The model family the stand-in answers as (whether it thinks, its markup), with the config's
+    definition of it: it shapes the stand-in's answers as its seed does."""
+    family = settings.model.get("family")
+    return {"family": family, "family_definition": (config.get("families") or {}).get(family)}
 
 
 @dataclass(frozen=True)
@@ -197,8 +204,9 @@ def work_items(prompts: Iterable[Prompt], settings: DatasetSettings, salt: Mappi
 
 
 def simulator_salt(config: Mapping[str, Any], settings: DatasetSettings, tokenizer: Any) -> dict[str, Any]:
-    """The stand-in's identity (settings, tokenizer fingerprint, prices): it shapes its answers."""
-    return {"simulator": {**simulator_settings(config), "tokenizer": tokenizer.fingerprint,
+    """The stand-in's identity (settings, model family, tokenizer fingerprint, prices): it shapes its answers."""
+    return {"simulator": {**simulator_settings(config), **simulated_family(config, settings),
+                          "tokenizer": tokenizer.fingerprint,
                           "price_per_mtok": dict(settings.model.get("price_per_mtok") or {})}}
 
 
