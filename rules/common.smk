@@ -113,6 +113,24 @@ def weights_input(wildcards):
     return weights
 
 
+_WEIGHT_FILES = {}  # weights directory -> its files (listed once per Snakemake process)
+
+
+def weight_files_input(wildcards):
+    """The files of the weights directory that make the model (the files eagledata.extract.storage's
+    model_fingerprint reads: config.json, *.safetensors, *.bin, *.json): a directory input alone is
+    judged by the directory's own mtime, which a weight file rewritten in place does not change. A
+    directory a rule builds (the demo model) is judged as that rule's output."""
+    weights = weights_input(wildcards)
+    if weights.startswith(f"{RESULTS}/_assets/"):
+        return []
+    if weights not in _WEIGHT_FILES:
+        root = Path(weights)
+        _WEIGHT_FILES[weights] = sorted(str(p) for p in root.glob("*") if p.suffix in (".safetensors", ".bin", ".json")
+                                        and p.is_file()) if root.is_dir() else []
+    return _WEIGHT_FILES[weights]
+
+
 def dataset_targets(name):
     targets = [f"{RESULTS}/{name}/validation.json"]
     model = config["models"][config["datasets"][name]["model"]]

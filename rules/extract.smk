@@ -1,6 +1,7 @@
 # Hidden-state extraction (HF or SGLang backend), one job per token shard, and the tiny random demo model.
 # Needs from rules/common.smk: RESULTS (config["results_dir"]), weights_input(wildcards) (the weights dir
-# of the dataset's model), extract_shard_source and extract_shard_records (the plan's input functions).
+# of the dataset's model) and weight_files_input (its model files), extract_shard_source and
+# extract_shard_records (the plan's input functions).
 # The final hidden state is always stored BEFORE the final norm, with the norm's weight and eps
 # (eagledata.extract.norm): the SpecForge export derives the after-norm state, speculators reads it as is.
 
@@ -76,6 +77,7 @@ rule extract_shard:
     input:
         tokens=extract_shard_source,  # tokens.store/{content-named shard}: a new name iff new content
         weights=weights_input,
+        weight_files=weight_files_input,  # the directory's mtime misses a weight file rewritten in place
         code=code_of("scripts/extract_shard.py"),
     output:
         f"{HIDDEN_WORK}/shards/{{shard}}.json",
@@ -109,6 +111,7 @@ rule extract:
         plan=f"{HIDDEN_WORK}/plan.json",
         shards=extract_shard_records,
         weights=weights_input,
+        weight_files=weight_files_input,
         code=code_of("scripts/extract.py"),
     output:
         directory(f"{RESULTS}/{{dataset}}/hidden"),

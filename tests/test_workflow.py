@@ -4,6 +4,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -257,3 +258,20 @@ def test_a_hugging_face_tokenizers_files_and_code_are_inputs_its_weights_are_not
     inputs = set(job[job.index("input:") + 6:job.index("\n", job.index("input:"))].replace(",", " ").split())
     assert {str(tok / name) for name in read} <= inputs
     assert not {str(tok / name) for name in ("model.safetensors", "README.md")} & inputs
+
+
+def test_a_weight_file_rewritten_in_place_reruns_extraction(demo_run, tmp_path):
+    """Weights outside the workflow's own assets: their model files are inputs of the extraction jobs
+    (a directory input is judged by the directory's mtime, which rewriting a file in it leaves)."""
+    work = copy_run(demo_run, tmp_path / "w")
+    weights = tmp_path / "weights"
+    shutil.copytree(work / "results/_assets/demo-model", weights)
+    config = yaml.safe_load((work / "config/config.yaml").read_text())
+    model = next(iter(config["models"]))
+    configure(work, models={**config["models"], model: {**config["models"][model], "weights": str(weights)}})
+    snakemake(work, "all")
+    assert planned_jobs(work) == {}
+    shard = next(weights.glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes())  # in place: the directory's mtime stays
+    jobs = planned_jobs(work)
+    assert jobs.get("extract_shard") and jobs.get("extract"), jobs
