@@ -818,3 +818,17 @@ def test_per_shard_jobs_give_the_one_process_extraction_and_resume_on_code_ident
     changed = run_all(ExtractionSettings(**{**settings.__dict__, "code_fingerprint": "code-2"}))
     assert not any(r["resumed"] for r in changed)
     assert all(p.stat().st_mtime_ns != stamps[p.name] for p in store.glob("*.safetensors"))
+    # another backend, or SGLang's server arguments (quantization...), is another shard: never reused
+    from eagledata.extract.pershard import stored_record
+    from eagledata.extract.storage import output_name
+
+    code2 = ExtractionSettings(**{**settings.__dict__, "code_fingerprint": "code-2"})
+    tokens_manifest = json.loads((tokens / "manifest.json").read_text())
+    dst = store / output_name(shards[0]["file"])
+    assert stored_record(code2.run(tokens_manifest, store), dst, shards[0]["sha256"]) is not None
+    for other in ({"backend": "sglang"}, {"backend": "sglang", "backend_options": {"server_args": {"quantization": "fp8"}}}):
+        run = ExtractionSettings(**{**code2.__dict__, **other}).run(tokens_manifest, store)
+        assert stored_record(run, dst, shards[0]["sha256"]) is None, other
+    quantized = ExtractionSettings(**{**code2.__dict__, "backend": "sglang",
+                                      "backend_options": {"server_args": {"quantization": "fp8"}}})
+    assert quantized.backend_args() == '{"quantization":"fp8"}' and code2.backend_args() == ""

@@ -101,6 +101,7 @@ from eagledata.extract.storage import (
     shard_specs,
     write_index,
     write_manifest,
+    resumable,
 )
 from eagledata.io import sha256_file, sha256_text
 
@@ -137,9 +138,10 @@ def limit_key(max_seq_len: int | None, on_long: str) -> str:
 def shard_metadata(shard: TokenShard, src: Path, backend: ExtractionBackend, *, dtype: str,
                    compute_dtype: str, model_path: str, model_fp: str, tokenizer_fingerprint: str,
                    source_sha256: str, length_limit: str = limit_key(None, "truncate"),
-                   code_fingerprint: str = "") -> dict[str, str]:
+                   code_fingerprint: str = "", backend_args: str = "") -> dict[str, str]:
     """The string metadata written into an output shard's header (see the module docstring);
-    ``code_fingerprint`` identifies the extraction code that wrote it (a resume key)."""
+    ``code_fingerprint`` identifies the extraction code that wrote it, ``backend_args`` the backend's
+    output-shaping arguments (both resume keys; the latter written only when not empty)."""
     layers = backend.layers
     return {
         "format": FORMAT,
@@ -164,6 +166,7 @@ def shard_metadata(shard: TokenShard, src: Path, backend: ExtractionBackend, *, 
         "num_layers": str(backend.num_layers),
         "length_limit": length_limit,
         "code_fingerprint": code_fingerprint,
+        **({"backend_args": backend_args} if backend_args else {}),
         **({"fp8_format": FP8_FORMAT, "fp8_scales": json.dumps(SCALES)} if is_fp8(dtype) else {}),
     }
 
@@ -249,6 +252,7 @@ def extract_shard(
     max_seq_len: int | None = None,
     on_long: str = "truncate",
     code_fingerprint: str = "",
+    backend_args: str = "",
 ) -> dict[str, Any]:
     """Extract one token shard ``src`` into the safetensors file ``dst`` (format in the module
     docstring), written to ``dst.tmp-PID`` and published with ``os.replace``.
@@ -271,7 +275,7 @@ def extract_shard(
     meta = shard_metadata(shard, src, backend, dtype=dtype, compute_dtype=compute_dtype,
                           model_path=model_path, model_fp=model_fp, tokenizer_fingerprint=tokenizer_fingerprint,
                           source_sha256=source_sha256, length_limit=limit_key(max_seq_len, on_long),
-                          code_fingerprint=code_fingerprint)
+                          code_fingerprint=code_fingerprint, backend_args=backend_args)
     dst.parent.mkdir(parents=True, exist_ok=True)
     # header is < 100 bytes per sample (ids) + a few KB: count it generously
     need = estimate_shard_bytes(n, s, nl, h, dtype, header_bytes=len(meta["sample_ids"]) + 16384)
@@ -362,13 +366,14 @@ class DatasetRun:
     max_seq_len: int | None = None
     on_long: str = "truncate"
     code_fp: str = ""
+    backend_args: str = ""  # the backend's output-shaping arguments (canonical JSON; "" for none)
 
     def resume_keys(self, source_sha256: str) -> dict[str, str]:
         """The metadata an existing output shard must carry to be kept (:data:`RESUME_KEYS`)."""
         values = {"format": FORMAT, "layers": json.dumps(self.layers),
                   "dtype": self.dtype, "compute_dtype": self.compute_dtype, "model_fingerprint": self.model_fp,
                   "source_sha256": source_sha256, "length_limit": limit_key(self.max_seq_len, self.on_long),
-                  "code_fingerprint": self.code_fp}
+                  "code_fingerprint": self.code_fp, "backend": self.backend, "backend_args": self.backend_args}
         return {k: values[k] for k in RESUME_KEYS}
 
     def manifest(self, shards_out: list[dict[str, Any]], complete: bool, norm_eps: float | None = None,
@@ -413,7 +418,7 @@ class DatasetRun:
 def resolve_run(tokens_dir: str | Path, target: str | Path, weights: str | Path, tokens_manifest: dict[str, Any],
                 layers: Sequence[int] | None, dtype: str, compute_dtype: str, backend: str, batch_tokens: int, *,
                 final_norm: Any = None, max_seq_len: int | None = None, on_long: str = "truncate",
-                code_fingerprint: str = "") -> DatasetRun:
+                code_fingerprint: str = "", backend_args: str = "") -> DatasetRun:
     """The settings checked (:func:`check_settings`, the length limit, the removed ``final_norm``) and
     resolved against the model's config (layers, sizes, fingerprint): one :class:`DatasetRun`."""
     refuse_final_norm_setting(final_norm)
@@ -423,7 +428,8 @@ def resolve_run(tokens_dir: str | Path, target: str | Path, weights: str | Path,
     num_layers = int(cfg.num_hidden_layers)
     return DatasetRun(Path(tokens_dir), Path(target), weights, tokens_manifest, resolve_layers(layers, num_layers),
                       dtype, compute_dtype, backend, num_layers, int(cfg.hidden_size), model_fingerprint(weights),
-                      str(tokens_manifest.get("tokenizer_fingerprint", "")), max_seq_len, on_long, code_fingerprint)
+                      str(tokens_manifest.get("tokenizer_fingerprint", "")), max_seq_len, on_long, code_fingerprint,
+                      backend_args)
 
 
 def code_fingerprint(files: Iterable[str | Path]) -> str:
@@ -480,7 +486,7 @@ def _one_shard(run: DatasetRun, entry: dict[str, Any], runner: LazyBackend, batc
     src = run.tokens_dir / entry["file"]
     dst = run.target / output_name(entry["file"])
     meta = read_shard_metadata(dst) if dst.exists() else None
-    if meta is not None and all(meta.get(k) == v for k, v in run.resume_keys(entry["sha256"]).items()):
+    if meta is not None and resumable(meta, run.resume_keys(entry["sha256"])):
         log.info("%s: done already (source sha256 and settings match), skipped", dst.name)
         shard, flags = apply_length_limit(read_token_shard(src), run.max_seq_len, run.on_long)
         return {"file": dst.name, "source": src.name, "source_sha256": entry["sha256"],
@@ -492,7 +498,7 @@ def _one_shard(run: DatasetRun, entry: dict[str, Any], runner: LazyBackend, batc
         batch_tokens=batch_tokens, source_sha256=entry["sha256"], tokenizer_fingerprint=run.tokenizer_fp,
         model_path=str(run.weights), model_fp=run.model_fp, compute_dtype=run.compute_dtype,
         reserve_disk_bytes=reserve_disk_bytes, max_seq_len=run.max_seq_len, on_long=run.on_long,
-        code_fingerprint=run.code_fp,
+        code_fingerprint=run.code_fp, backend_args=run.backend_args,
     )
 
 

@@ -50,6 +50,7 @@ from eagledata.extract.plan import plan_entry, read_plan
 from eagledata.extract.storage import (
     output_name,
     read_shard_metadata,
+    resumable,
     write_index,
     write_manifest,
 )
@@ -100,7 +101,14 @@ class ExtractionSettings:
         """The resolved run (settings checked, layers and sizes from the model's config)."""
         return resolve_run(target, target, self.weights, tokens_manifest, self.layers, self.dtype, self.compute_dtype,
                            self.backend, self.batch_tokens, final_norm=self.final_norm, max_seq_len=self.max_seq_len,
-                           on_long=self.on_long, code_fingerprint=self.code_fingerprint)
+                           on_long=self.on_long, code_fingerprint=self.code_fingerprint,
+                           backend_args=self.backend_args())
+
+    def backend_args(self) -> str:
+        """The backend's output-shaping arguments as one resume key: SGLang's server arguments
+        (canonical JSON; its memory fraction shapes nothing), "" for none."""
+        args = self.backend_options.get("server_args") if self.backend == "sglang" else None
+        return json.dumps(args, sort_keys=True, separators=(",", ":")) if args else ""
 
 
 def sidecar_of(shard: Path) -> Path:
@@ -113,7 +121,7 @@ def stored_record(run: DatasetRun, dst: Path, source_sha256: str) -> dict[str, A
     settings, model and code (header on :data:`RESUME_KEYS`, sidecar naming this very file: size and
     mtime), else ``None``."""
     meta = read_shard_metadata(dst) if dst.is_file() else None
-    if meta is None or any(meta.get(k) != v for k, v in run.resume_keys(source_sha256).items()):
+    if meta is None or not resumable(meta, run.resume_keys(source_sha256)):
         return None
     try:
         record = json.loads(sidecar_of(dst).read_text(encoding="utf-8"))
@@ -167,7 +175,7 @@ def extract_keyed_shard(plan_path: str | Path, key: str, source: str | Path, sto
                 source_sha256=entry["sha256"], tokenizer_fingerprint=run.tokenizer_fp, model_path=str(run.weights),
                 model_fp=run.model_fp, compute_dtype=run.compute_dtype,
                 reserve_disk_bytes=settings.reserve_disk_bytes, max_seq_len=run.max_seq_len, on_long=run.on_long,
-                code_fingerprint=run.code_fp)
+                code_fingerprint=run.code_fp, backend_args=run.backend_args)
         finally:
             runner.close()
         record = with_file_facts(stats, dst, {})

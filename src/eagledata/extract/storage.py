@@ -203,9 +203,16 @@ def read_shard_metadata(path: str | Path) -> dict[str, str] | None:
         return None
 
 
-#: Metadata keys that must match for an existing output shard to be reused.
+#: Metadata keys that must match for an existing output shard to be reused: the backend and its
+#: output-shaping arguments (SGLang's server arguments: quantization, KV-cache dtype...) among them.
 RESUME_KEYS = ("format", "source_sha256", "layers", "dtype", "compute_dtype", "model_fingerprint", "length_limit",
-               "code_fingerprint")
+               "code_fingerprint", "backend", "backend_args")
+
+
+def resumable(meta: dict[str, str], keys: dict[str, str]) -> bool:
+    """Whether a stored shard's header ``meta`` carries the resume ``keys``' values; a key the header
+    lacks reads as empty (``backend_args`` is written only when there are any)."""
+    return all(meta.get(k, "") == v for k, v in keys.items())
 
 
 def shard_specs(n_tokens: int, n_samples: int, n_layers: int, hidden: int, dtype: str) -> list[tuple[str, str, tuple[int, ...]]]:
