@@ -1,5 +1,6 @@
 # Helpers shared by every stage: resolved settings, paths, input functions.
 import hashlib
+import json
 import re
 from pathlib import Path
 
@@ -92,7 +93,14 @@ def tokenizer_settings(wildcards):
     the per-shard jobs that declare the stamp."""
     model = config["models"][config["datasets"][wildcards.dataset]["model"]]
     keys = ("tokenizer", "tokenizer_kind", "trust_remote_code", "chat_template", "family")
-    return {**{k: model.get(k) for k in keys}, "family_definition": (config.get("families") or {}).get(model["family"])}
+    return canonical({**{k: model.get(k) for k in keys},
+                      "family_definition": (config.get("families") or {}).get(model["family"])})
+
+
+def canonical(value):
+    """``value`` with every mapping's keys sorted: Snakemake compares params as written out, so a
+    config whose keys were reordered (by hand, or by a YAML dump) would otherwise rerun the rule."""
+    return json.loads(json.dumps(value, sort_keys=True))
 
 
 STAGE_STAMPS = {}  # stage stamp name -> the code stamps it covers
@@ -187,7 +195,7 @@ def token_parts(wildcards):
 
 
 def _validation_setting(wildcards, key):
-    return validation_setting(config, wildcards.dataset, key)
+    return canonical(validation_setting(config, wildcards.dataset, key))
 
 
 def dataset_policy(wildcards):

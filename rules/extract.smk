@@ -88,7 +88,7 @@ rule extract_shard:
         compute_dtype=config["extraction"]["compute_dtype"],
         backend=config["extraction"]["backend"],
         # SGLang's server arguments shape the states (quantization, KV-cache dtype...): a resume key too
-        sglang_server_args=config["extraction"].get("sglang_server_args") or {},
+        sglang_server_args=canonical(config["extraction"].get("sglang_server_args") or {}),
         length_limit=lambda wc: LENGTH_LIMITS[wc.dataset],
         # read, not an input: the plan is rewritten whenever any shard changes
         plan=f"{HIDDEN_WORK}/plan.json",
@@ -122,7 +122,7 @@ rule extract:
         dtype=config["extraction"]["dtype"],
         compute_dtype=config["extraction"]["compute_dtype"],
         backend=config["extraction"]["backend"],
-        sglang_server_args=config["extraction"].get("sglang_server_args") or {},
+        sglang_server_args=canonical(config["extraction"].get("sglang_server_args") or {}),
         length_limit=lambda wc: LENGTH_LIMITS[wc.dataset],
         store=HIDDEN_STORE,
     log:

@@ -5,7 +5,7 @@
 # (eagledata.report.settings.REPORT_DEFAULTS).
 from eagledata.report.settings import report_settings
 
-REPORT_SETTINGS = report_settings(config)
+REPORT_SETTINGS = canonical(report_settings(config))  # keys sorted: see canonical
 REPORT_CODE = code_of("scripts/report.py", "templates/report.html.jinja")
 
 

@@ -133,7 +133,9 @@ def request_params(settings: DatasetSettings, config: Mapping[str, Any]) -> dict
     if settings.backend == "simulator":
         params["simulator"] = {**simulator_settings(config), **simulated_family(config, settings)}
         params["price_per_mtok"] = dict(settings.model.get("price_per_mtok") or {})
-    return params
+    # Snakemake compares params as written out, so a mapping's key order would count: keys sorted, a
+    # config whose keys were reordered (by hand, or by a YAML dump) reruns nothing
+    return json.loads(json.dumps(params, sort_keys=True))
 
 
 def simulated_family(config: Mapping[str, Any], settings: DatasetSettings) -> dict[str, Any]:
