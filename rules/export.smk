@@ -17,7 +17,8 @@ rule export:
         kind="specforge|speculators",
     params:
         kind="{kind}",
-        group_size=config["export"]["specforge_group_size"],
+        # SpecForge's alone: a change reruns its exports, not the speculators ones
+        group_size=lambda w: config["export"]["specforge_group_size"] if w.kind == "specforge" else None,
         dtype=lambda w: config["export"][f"{w.kind}_dtype"],
         draft_vocab_size=config["export"]["draft_vocab_size"],
     log:

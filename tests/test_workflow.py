@@ -275,3 +275,17 @@ def test_a_weight_file_rewritten_in_place_reruns_extraction(demo_run, tmp_path):
     shard.write_bytes(shard.read_bytes())  # in place: the directory's mtime stays
     jobs = planned_jobs(work)
     assert jobs.get("extract_shard") and jobs.get("extract"), jobs
+
+
+def test_a_setting_of_one_trainers_export_reruns_only_that_export(demo_run, tmp_path):
+    """export.specforge_group_size shapes SpecForge's layout alone: changing it plans the SpecForge
+    exports and not the speculators ones. The config is rewritten by a YAML dump (keys sorted): a
+    mapping's key order is no change (params are compared as written out, so they are kept sorted)."""
+    work = copy_run(demo_run, tmp_path / "w")
+    config = yaml.safe_load((work / "config/config.yaml").read_text())
+    export = {**(config.get("export") or {}), "specforge_group_size": 7}
+    configure(work, export=export)
+    out = snakemake(work, "-n").stdout
+    assert "kind=specforge" in out and "kind=speculators" not in out, out[-3000:]
+    # the SpecForge export of each dataset, and the report that reads the exports
+    assert planned_jobs(work) == {"export": len(config["datasets"]), "report": 1, "all": 1}
