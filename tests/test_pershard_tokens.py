@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from eagledata.errors import StageError
 from eagledata.text.families import get_family
 from eagledata.text.tokenizer import load_tokenizer
 from eagledata.tokens import pershard as ps
@@ -244,6 +245,48 @@ def test_learning_reads_the_per_shard_summaries_only(tmp_path):
     ps.reconstruct_shard(p["slice"], p["where"], src, p["part"], p["summary"], tok, fam)
     assert p["summary"].stat().st_size <= 2 * largest  # 600 samples in one shard vs about 50: counters only
 
+
+
+@needs_recorded
+def test_a_shard_of_another_tokenizer_is_refused_not_gathered(tmp_path):
+    """A shard reconstructed with another tokenizer than the dataset's as the gathering job loads it
+    (another fingerprint: here a revised chat template; in use a hub id's updated files or a library
+    upgrade, which the stage stamp cannot see) is refused, naming it and the fix, and the gathered
+    files are left as they were; a summary that records no tokenizer (an older eagledata) too. Rebuilt
+    with the dataset's tokenizer, it is gathered."""
+    fam = get_family("kimi-k2")
+    tok = load_tokenizer(K2, fam)
+    revised = tmp_path / "revised.jinja"
+    revised.write_text(tok.chat_template + "{# revised upstream #}", encoding="utf-8")
+    other = load_tokenizer(K2, fam, chat_template=revised)
+    assert other.fingerprint != tok.fingerprint
+    src = tmp_path / "responses.jsonl"
+    _write(src, _records(80))
+    work = tmp_path / "work"
+    first = run_pershard(src, work, tok, fam, 10)
+    keys = ps.plan_keys(work / "plan.json")
+    assert len(keys) >= 3
+    gathered = (tmp_path / "tokens" / "manifest.json").read_bytes()
+
+    def gather():
+        return ps.learn_and_judge(work / "plan.json", work, tmp_path / "tokens", tmp_path / "store", tok, fam)
+
+    stale = ps.work_paths(work, keys[1])
+    ps.reconstruct_shard(stale["slice"], stale["where"], src, stale["part"], stale["summary"], other, fam)
+    with pytest.raises(StageError, match=rf"1 of {len(keys)} shards .*: {keys[1]} \({other.fingerprint[:16]}\)\..*"
+                                         r"--forcerun token_shard"):
+        gather()
+    assert (tmp_path / "tokens" / "manifest.json").read_bytes() == gathered
+    unrecorded = ps.work_paths(work, keys[2])["summary"]
+    summary = json.loads(unrecorded.read_text())
+    del summary["tokenizer_fingerprint"]
+    unrecorded.write_text(json.dumps(summary))
+    with pytest.raises(StageError, match=rf"2 of {len(keys)} shards .*{keys[2]} \(not recorded\)"):
+        gather()
+    for key in keys[1:3]:
+        p = ps.work_paths(work, key)
+        ps.reconstruct_shard(p["slice"], p["where"], src, p["part"], p["summary"], tok, fam)
+    assert gather()["shards"] == first["shards"]
 
 
 @needs_recorded

@@ -21,7 +21,9 @@ shard, and steps 3-5 together (:func:`learn_and_judge`, the ``tokens`` rule):
    (ids and everything verdicts are computed from) + ``parts/{key}.summary.json`` (a few hundred bytes
    of counters: :mod:`eagledata.tokens.summaries`).
 3. :func:`learn_summaries`: the summaries only -> ``learned.json`` (count conventions,
-   reasoning-count reliability, prompt variants).
+   reasoning-count reliability, prompt variants). Each summary records the fingerprint of the
+   tokenizer its shard was reconstructed with; a shard of another tokenizer than the dataset's is
+   refused (:func:`refuse_stale_parts`), never gathered.
 4. :func:`learn_repairs`: which repair each provider is proven to apply (round 1 of the repair
    search) over the samples that need one, one shard's part at a time -> ``conventions.json``.
 5. :func:`judge_and_gather` (cheap per shard): each shard's verdicts, repairs and policy
@@ -55,6 +57,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import polars as pl
 
+from eagledata.errors import StageError
 from eagledata.io import atomic_path, atomic_write_json, line_digest, loads_json, replace_unless_same, sha256_file
 from eagledata.text.families import ModelFamily
 from eagledata.text.tokenizer import Tokenizer
@@ -288,7 +291,8 @@ def reconstruct_shard(slice_path: str | Path, where_path: str | Path, responses_
             frames.append(pl.DataFrame(columns, schema=PART_SCHEMA))
             columns = {name: [] for name in PART_SCHEMA}
     frames.append(pl.DataFrame(columns, schema=PART_SCHEMA))
-    summary = summaries.summarize(stats)
+    # the tokenizer as loaded: the dataset job refuses to gather parts reconstructed with another
+    summary = {**summaries.summarize(stats), "tokenizer_fingerprint": tokenizer.fingerprint}
     Path(part_path).parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(part_path) as tmp:
         pl.concat(frames).write_parquet(tmp, compression="zstd")
@@ -311,13 +315,40 @@ def part_stats(df: pl.DataFrame) -> list[SampleStats]:
 
 # 3-4. learning ------------------------------------------------------------------------------------
 
-def learn_summaries(summary_paths: Sequence[str | Path], out_path: str | Path) -> dict[str, Any]:
-    """The dataset's conventions from its shards' summaries (nothing else is read)."""
-    merged = summaries.merge(json.loads(Path(p).read_text(encoding="utf-8")) for p in summary_paths)
+def learn_summaries(summary_paths: Sequence[str | Path], out_path: str | Path,
+                    tokenizer_fingerprint: str | None = None) -> dict[str, Any]:
+    """The dataset's conventions from its shards' summaries (nothing else is read). With
+    ``tokenizer_fingerprint``, every shard must have been reconstructed with that tokenizer
+    (:func:`refuse_stale_parts`)."""
+    loaded = [(Path(p), json.loads(Path(p).read_text(encoding="utf-8"))) for p in summary_paths]
+    if tokenizer_fingerprint is not None:
+        refuse_stale_parts(loaded, tokenizer_fingerprint)
+    merged = summaries.merge(s for _, s in loaded)
     conventions, reliability, variants = summaries.learn(merged)
     learned = {"rows": merged["rows"], "conventions": conventions, "reliability": reliability, "variants": variants}
     atomic_write_json(out_path, learned)
     return learned
+
+
+def refuse_stale_parts(loaded: Sequence[tuple[Path, Mapping[str, Any]]], fingerprint: str) -> None:
+    """Raise :class:`StageError` when a shard's summary (``(path, summary)`` pairs) records another
+    tokenizer fingerprint than ``fingerprint`` (the dataset's tokenizer as the gathering job loads
+    it), or none. The stage stamp reruns every shard when the tokenizer's files or settings change;
+    this catches what it cannot see (a hub id whose files were updated, a library upgrade that
+    changes what a tokenizer loads), which would otherwise mix two tokenizers' ids in one dataset."""
+    stale = [(path, summary.get("tokenizer_fingerprint")) for path, summary in loaded
+             if summary.get("tokenizer_fingerprint") != fingerprint]
+    if not stale:
+        return
+    shown = "; ".join(f"{path.name.removesuffix('.summary.json')} ({(fp or 'not recorded')[:16]})" for path, fp in stale[:5])
+    more = f" and {len(stale) - 5} more" if len(stale) > 5 else ""
+    parts = stale[0][0].parent
+    raise StageError(
+        f"{parts}: {len(stale)} of {len(loaded)} shards were reconstructed with another tokenizer than the "
+        f"dataset's as loaded now ({fingerprint[:16]}): {shown}{more}. The tokenizer changed in a way the "
+        "workflow does not track (a hub id's files updated, a library upgrade), so gathering them would mix "
+        f"two tokenizers' ids. Remove their parts (rm {parts}/<shard>.parquet {parts}/<shard>.summary.json) "
+        "and run again, or rebuild every shard: snakemake --forcerun token_shard")
 
 
 def learn_repairs(learned_path: str | Path, part_paths: Sequence[str | Path], out_path: str | Path,
@@ -430,7 +461,7 @@ def learn_and_judge(plan_path: str | Path, work_dir: str | Path, out_dir: str | 
     manifest. Returns the manifest."""
     w = Path(work_dir)
     paths = [work_paths(w, k) for k in plan_keys(plan_path)]
-    learned = learn_summaries([p["summary"] for p in paths], w / "learned.json")
+    learned = learn_summaries([p["summary"] for p in paths], w / "learned.json", tokenizer.fingerprint)
     log.info("%d samples in %d shard summaries; conventions: %s", learned["rows"], len(paths), learned["conventions"])
     repairs = learn_repairs(w / "learned.json", [p["part"] for p in paths], w / "conventions.json", tokenizer, family)
     log.info("repairs proven per provider: %s", repairs["repairs"])
@@ -485,4 +516,4 @@ def _write_manifest(plan: Mapping[str, Any], learned: dict[str, Any], entries: S
 
 
 __all__ = ["PART_SCHEMA", "iter_slice", "judge_and_gather", "judge_shard", "learn_and_judge", "learn_repairs", "learn_summaries",
-           "part_stats", "peak_memory_mb", "plan_keys", "plan_shards", "read_plan", "reconstruct_shard", "shard_key", "slice_sources", "work_paths"]
+           "part_stats", "refuse_stale_parts", "peak_memory_mb", "plan_keys", "plan_shards", "read_plan", "reconstruct_shard", "shard_key", "slice_sources", "work_paths"]
