@@ -88,11 +88,11 @@ def tokenizer_input(wildcards):
 
 def tokenizer_settings(wildcards):
     """What of the config decides a dataset's token ids besides its tokenizer's files: the model's
-    tokenizer (a hub id has no files), how it is loaded, its chat template and its family, with the
-    config's definition of that family. A stage stamp's params and written into it, so a change reruns
-    the per-shard jobs that declare the stamp."""
+    tokenizer (a hub id has no files) and its pinned revision, how it is loaded, its chat template and
+    its family, with the config's definition of that family. A stage stamp's params and written into
+    it, so a change reruns the per-shard jobs that declare the stamp."""
     model = config["models"][config["datasets"][wildcards.dataset]["model"]]
-    keys = ("tokenizer", "tokenizer_kind", "trust_remote_code", "chat_template", "family")
+    keys = ("tokenizer", "tokenizer_revision", "tokenizer_kind", "trust_remote_code", "chat_template", "family")
     return canonical({**{k: model.get(k) for k in keys},
                       "family_definition": (config.get("families") or {}).get(model["family"])})
 

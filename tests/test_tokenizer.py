@@ -193,3 +193,71 @@ def test_tokenizer_settings_of_a_stage_stamp_load_what_the_config_loads(tmp_path
     assert stamp_settings(tmp_path / "plain.sha256") is None
     with pytest.raises(Exception, match="no tokenizer settings"):
         tokenizer_from_settings(None)
+
+
+def _hub_snapshot(cache, repo: str, commit: str, template: str) -> None:
+    """A Hugging Face hub cache entry (the layout huggingface_hub reads offline) holding, at
+    ``commit``, a small byte-level BPE tokenizer with the Kimi K2 family's special tokens and
+    ``template`` as its chat template (a tokenizer-only repo); the repo's ``main`` then points at
+    ``commit``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = __import__("tokenizers").decoders.ByteLevel()
+    bpe.train_from_iterator(["the tokens of a hub tokenizer, pinned"] * 20,
+                            trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.add_special_tokens(list(get_family("kimi-k2").required_specials()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=bpe)
+    fast.chat_template = template
+    entry = cache / f"models--{repo.replace('/', '--')}"
+    fast.save_pretrained(entry / "snapshots" / commit)
+    (entry / ".no_exist" / commit).mkdir(parents=True)  # a tokenizer-only repo: the hub has no config.json
+    (entry / ".no_exist" / commit / "config.json").touch()
+    (entry / "refs").mkdir(parents=True, exist_ok=True)
+    (entry / "refs" / "main").write_text(commit)
+
+
+def test_a_pinned_revision_loads_that_commit_of_a_hub_id(tmp_path):
+    """models.NAME.tokenizer_revision pins a hub id's files: with it the tokenizer is the pinned
+    commit's (also as a stage stamp's settings carry it), without it the hub's main, which moved on
+    (here: a revised chat template, so another fingerprint). Real hub resolution, offline, from a hub
+    cache in the layout huggingface_hub reads. A revision for a local directory is refused."""
+    import subprocess
+    import sys
+
+    old, new = "1" * 40, "2" * 40
+    _hub_snapshot(tmp_path / "hub", "org/tiny", old, "{% for m in messages %}{{ m.content }}{% endfor %}")
+    _hub_snapshot(tmp_path / "hub", "org/tiny", new, "{% for m in messages %}{{ m.role }}{{ m.content }}{% endfor %}")
+    code = """
+import json, sys
+from eagledata.codeinputs import stamp_settings, write_stamp
+from eagledata.config import load_model_tokenizer, tokenizer_from_settings
+def model(revision):
+    return {"family": "kimi-k2", "tokenizer": "org/tiny", "tokenizer_revision": revision}
+out = {}
+for name, revision in (("main", None), ("pinned", sys.argv[1])):
+    tok = load_model_tokenizer({"models": {"m": model(revision)}}, "m")
+    out[name] = [tok.chat_template, tok.fingerprint]
+write_stamp([], sys.argv[2], settings={**model(sys.argv[1]), "family_definition": None})
+tok, _ = tokenizer_from_settings(stamp_settings(sys.argv[2]))
+out["stamped"] = [tok.chat_template, tok.fingerprint]
+print(json.dumps(out))
+"""
+    env = {**__import__("os").environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run([sys.executable, "-c", code, old, str(tmp_path / "stamp.sha256")], capture_output=True,
+                         text=True, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.splitlines()[-1])
+    assert out["pinned"][0].startswith("{% for m in messages %}{{ m.content }}")
+    assert out["main"][0].startswith("{% for m in messages %}{{ m.role }}")
+    assert out["pinned"][1] != out["main"][1] and out["stamped"] == out["pinned"]
+    from eagledata.generate.tokenizers import tokenizer_problem
+    from eagledata.text.tokenizer import TokenizerError
+
+    local = need_shared("tokenizers", "kimi-k2.5")
+    with pytest.raises(TokenizerError, match="pins a hub id's files, and this is a local path"):
+        load_tokenizer(local, get_family("kimi-k2.5"), revision=old)
+    problem = tokenizer_problem({"tokenizer": str(local), "tokenizer_revision": old}, "m")
+    assert problem is not None and "is a local path" in problem and "(models.m.tokenizer_revision)" in problem

@@ -271,8 +271,9 @@ def dataset_settings(config: Mapping[str, Any], name: str) -> DatasetSettings:
 
 def tokenizer_from_settings(settings: Mapping[str, Any] | None):
     """(tokenizer, family) of a model's tokenizer settings as a stage stamp carries them
-    (rules/common.smk ``tokenizer_settings``: the model's ``tokenizer``, ``tokenizer_kind``,
-    ``trust_remote_code``, ``chat_template``, ``family`` and the config's ``family_definition``):
+    (rules/common.smk ``tokenizer_settings``: the model's ``tokenizer``, ``tokenizer_revision``,
+    ``tokenizer_kind``, ``trust_remote_code``, ``chat_template``, ``family`` and the config's
+    ``family_definition``):
     what :func:`load_model_tokenizer` and :func:`dataset_settings` give for that model. ``None`` (a
     stamp without settings, written by an older eagledata) is refused: rerun its stamp job."""
     if settings is None:
@@ -294,4 +295,4 @@ def load_model_tokenizer(config: Mapping[str, Any], model_name: str):
     family = get_family(m["family"], config.get("families"))
     return load_tokenizer(m["tokenizer"], family, kind=m.get("tokenizer_kind", "auto"),
                           trust_remote_code=m.get("trust_remote_code", False),
-                          chat_template=m.get("chat_template"))
+                          chat_template=m.get("chat_template"), revision=m.get("tokenizer_revision"))

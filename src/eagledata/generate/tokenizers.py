@@ -41,6 +41,10 @@ def tokenizer_problem(model: Mapping[str, Any], model_name: str = "?") -> str | 
     path = Path(source).expanduser()
     kind = model.get("tokenizer_kind", "auto")
     where = f"models.{model_name}.tokenizer"
+    revision = model.get("tokenizer_revision")
+    if revision is not None and path.exists():
+        return (f"tokenizer_revision {revision!r} pins a hub id's files, and {shown_path(path)} is a local path: remove "
+                f"it, or give the hub id (models.{model_name}.tokenizer_revision)")
     if path.exists():
         if not path.is_dir():
             return f"tokenizer path is a file, not a directory: {shown_path(path)} ({where})"

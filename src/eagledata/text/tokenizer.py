@@ -358,10 +358,14 @@ class HFTokenizer:
         return token_id in self.tok.added_tokens_decoder  # type: ignore[attr-defined]
 
 
-def load_hf(source: str, trust_remote_code: bool = False, chat_template: str | Path | None = None) -> HFTokenizer:
+def load_hf(source: str, trust_remote_code: bool = False, chat_template: str | Path | None = None,
+            revision: str | None = None) -> HFTokenizer:
+    """``AutoTokenizer`` of a directory or hub id (``revision``: the hub commit, tag or branch to load;
+    ``None``: the hub's default branch, whatever it holds now)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    pinned = {"revision": revision} if revision is not None else {}
+    tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code, **pinned)
     template = Path(chat_template).read_text(encoding="utf-8") if chat_template else getattr(tok, "chat_template", None)
     vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
     fingerprint = _sha256_parts(
@@ -381,20 +385,27 @@ def load_tokenizer(
     trust_remote_code: bool = False,
     chat_template: str | Path | None = None,
     check: bool = True,
+    revision: str | None = None,
 ) -> Tokenizer:
     """Load a tokenizer and run :func:`self_check` over the family's special tokens.
 
     ``kind``: ``tiktoken`` (tiktoken dir or published Kimi dir, never executing shipped code),
     ``hf`` (``AutoTokenizer``), or ``auto``: ``tiktoken`` when the directory holds
-    ``tiktoken.model``, else ``hf``.
+    ``tiktoken.model``, else ``hf``. ``revision`` pins a hub id's commit (or tag); a local
+    directory has none, and is refused with one.
     """
     path = Path(source)
+    if revision is not None and path.exists():
+        raise TokenizerError(f"tokenizer {source}: a revision ({revision!r}) pins a hub id's files, and this is a "
+                             "local path: remove tokenizer_revision, or give the hub id")
     if kind == "auto":
         kind = "tiktoken" if (path / "tiktoken.model").exists() else "hf"
     if kind == "tiktoken":
+        if revision is not None:
+            raise TokenizerError(f"tokenizer {source}: a revision ({revision!r}) needs a hub id (tokenizer_kind hf)")
         tok: Tokenizer = load_tiktoken_dir(path, family, chat_template)
     elif kind == "hf":
-        tok = load_hf(str(source), trust_remote_code=trust_remote_code, chat_template=chat_template)
+        tok = load_hf(str(source), trust_remote_code=trust_remote_code, chat_template=chat_template, revision=revision)
     else:
         raise TokenizerError(f"unknown tokenizer kind {kind!r} (tiktoken | hf | auto)")
     tok.tool_declaration = family.tool_declaration
