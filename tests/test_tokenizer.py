@@ -195,24 +195,29 @@ def test_tokenizer_settings_of_a_stage_stamp_load_what_the_config_loads(tmp_path
         tokenizer_from_settings(None)
 
 
-def _hub_snapshot(cache, repo: str, commit: str, template: str) -> None:
-    """A Hugging Face hub cache entry (the layout huggingface_hub reads offline) holding, at
-    ``commit``, a small byte-level BPE tokenizer with the Kimi K2 family's special tokens and
-    ``template`` as its chat template (a tokenizer-only repo); the repo's ``main`` then points at
-    ``commit``."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+def _tiny_hf_tokenizer(dest, template: str) -> None:
+    """A small byte-level BPE Hugging Face tokenizer with the Kimi K2 family's special tokens and
+    ``template`` as its chat template, saved in ``dest``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = __import__("tokenizers").decoders.ByteLevel()
+    bpe.decoder = decoders.ByteLevel()
     bpe.train_from_iterator(["the tokens of a hub tokenizer, pinned"] * 20,
                             trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     bpe.add_special_tokens(list(get_family("kimi-k2").required_specials()))
     fast = PreTrainedTokenizerFast(tokenizer_object=bpe)
     fast.chat_template = template
+    fast.save_pretrained(dest)
+
+
+def _hub_snapshot(cache, repo: str, commit: str, template: str) -> None:
+    """A Hugging Face hub cache entry (the layout huggingface_hub reads offline) holding, at
+    ``commit``, :func:`_tiny_hf_tokenizer` (a tokenizer-only repo); the repo's ``main`` then points
+    at ``commit``."""
     entry = cache / f"models--{repo.replace('/', '--')}"
-    fast.save_pretrained(entry / "snapshots" / commit)
+    _tiny_hf_tokenizer(entry / "snapshots" / commit, template)
     (entry / ".no_exist" / commit).mkdir(parents=True)  # a tokenizer-only repo: the hub has no config.json
     (entry / ".no_exist" / commit / "config.json").touch()
     (entry / "refs").mkdir(parents=True, exist_ok=True)
@@ -261,3 +266,27 @@ print(json.dumps(out))
         load_tokenizer(local, get_family("kimi-k2.5"), revision=old)
     problem = tokenizer_problem({"tokenizer": str(local), "tokenizer_revision": old}, "m")
     assert problem is not None and "is a local path" in problem and "(models.m.tokenizer_revision)" in problem
+
+
+def test_a_hugging_face_tokenizers_fingerprint_covers_how_it_encodes(tmp_path):
+    """Two Hugging Face tokenizers with the same vocabulary, special tokens and chat template that
+    encode differently (another pre-tokenizer setting) have different fingerprints; the same files
+    give the same fingerprint in another process (the per-shard jobs and the gathering job compare)."""
+    import subprocess
+    import sys
+
+    fam = get_family("kimi-k2")
+    a, b = tmp_path / "a", tmp_path / "b"
+    _tiny_hf_tokenizer(a, "{{ messages }}")
+    shutil.copytree(a, b)
+    spec = json.loads((b / "tokenizer.json").read_text())
+    spec["pre_tokenizer"]["add_prefix_space"] = True
+    (b / "tokenizer.json").write_text(json.dumps(spec))
+    ta, tb = load_tokenizer(a, fam), load_tokenizer(b, fam)
+    assert ta.encode_plain("tokens") != tb.encode_plain("tokens")  # they encode differently
+    assert ta.tok.get_vocab() == tb.tok.get_vocab() and ta.chat_template == tb.chat_template
+    assert ta.fingerprint != tb.fingerprint
+    code = "import sys; from eagledata.text.families import get_family; from eagledata.text.tokenizer import load_tokenizer; " \
+           "print(load_tokenizer(sys.argv[1], get_family('kimi-k2')).fingerprint)"
+    other = subprocess.run([sys.executable, "-c", code, str(a)], capture_output=True, text=True, check=True)
+    assert other.stdout.split()[-1] == ta.fingerprint

@@ -19,7 +19,8 @@ Contract of every tokenizer:
 * ``decodes_to(ids, text)`` is exactly ``decode(ids) == text`` (the validation checks' question;
   a tokenizer may answer it without decoding when it can prove the answer).
 * ``special_id(name)`` looks ids up by name; nothing in this package types an id in.
-* ``fingerprint`` hashes vocabulary, special tokens and chat template.
+* ``fingerprint`` hashes vocabulary, special tokens and chat template (and, for a Hugging Face fast
+  tokenizer, its whole definition: merges, normalizer, pre-tokenizer).
 """
 
 from __future__ import annotations
@@ -368,11 +369,14 @@ def load_hf(source: str, trust_remote_code: bool = False, chat_template: str | P
     tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code, **pinned)
     template = Path(chat_template).read_text(encoding="utf-8") if chat_template else getattr(tok, "chat_template", None)
     vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    # a fast tokenizer's whole definition (merges, normalizer, pre-tokenizer...): what encodes, beyond the vocabulary
+    backend = getattr(tok, "backend_tokenizer", None)
     fingerprint = _sha256_parts(
         [
             json.dumps(vocab, ensure_ascii=False).encode(),
             json.dumps(sorted((int(i), t.content) for i, t in tok.added_tokens_decoder.items())).encode(),
             (template or "").encode(),
+            *([backend.to_str().encode()] if backend is not None else []),
         ]
     )
     return HFTokenizer(str(source), tok, template, fingerprint, len(tok))
