@@ -142,6 +142,8 @@ def test_bad_responses_file_names_file_line_field(k25, tmp_path):
 
 
 def test_fidelity_profiles_accumulate_across_runs_without_double_counting(k25, synthetic, tmp_path):
+    """A dataset validated again (the same responses under any tokenizer, or its file grown) replaces
+    its entries; another dataset, or the same name over another file, adds its own."""
     from eagledata.validate.profiles import accumulated_profiles, record_validation
 
     tok, fam = k25
@@ -156,6 +158,14 @@ def test_fidelity_profiles_accumulate_across_runs_without_double_counting(k25, s
     prof = accumulated_profiles(hist)["P"]
     assert prof["total"] == 16 and prof["exact"] == 6 and prof["datasets"] == ["syn", "syn2"]
     assert prof["convention"] == "counts_eot" and prof["transformations_seen"] == {"tool_id_rebuilt": 2}
+    # the same responses under another tokenizer, then the same file grown (another sha256): replaced
+    record_validation(hist, dict(rep, tokenizer_fingerprint="another"), res.manifest)
+    assert accumulated_profiles(hist)["P"]["total"] == 16
+    record_validation(hist, rep, dict(res.manifest, source_sha256="grown"))
+    assert accumulated_profiles(hist)["P"]["total"] == 16
+    # the same dataset name in another workflow (another file, other responses): added
+    record_validation(hist, rep, dict(res.manifest, source_sha256="elsewhere", source=str(tmp_path / "other.jsonl")))
+    assert accumulated_profiles(hist)["P"]["total"] == 24
 
 
 def test_plain_openrouter_log_lines_import_like_recordings(k2, recorded, tmp_path):

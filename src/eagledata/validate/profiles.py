@@ -2,9 +2,10 @@
 
 Each validated dataset contributes one entry per provider to a history file (JSON lines at
 ``{cache_dir}/fidelity_history.jsonl``; like the response cache it is not a Snakemake output, so it
-survives reruns and ``--delete-all-output``). An entry is keyed by (dataset, responses sha256,
-tokenizer fingerprint, provider): validating the same data again replaces its entry instead of
-counting it twice. :func:`accumulated_profiles` sums the history into one profile per provider:
+survives reruns and ``--delete-all-output``). A dataset's entry for a provider is replaced, never
+counted twice, when the dataset is validated again with the same responses (the same sha256, under any
+tokenizer) or the same responses file (its absolute path: a dataset that grew, or was retokenized);
+another dataset, or the same name in another workflow, adds its own. :func:`accumulated_profiles` sums the history into one profile per provider:
 counts per verdict (joint and per side), exact share, count-convention votes, the transformations
 seen, the distribution of completion count differences, the prompt rendering variants seen, and the
 reasoning count reliability learned in each run (with its evidence: samples and spread).
@@ -22,7 +23,14 @@ from eagledata.io import atomic_write_text
 from eagledata.tokens.checks import VERDICTS
 
 HISTORY_NAME = "fidelity_history.jsonl"
-_KEY_FIELDS = ("dataset", "source_sha256", "tokenizer_fingerprint", "provider")
+
+
+def _replaces(new: Mapping[str, Any], old: Mapping[str, Any]) -> bool:
+    """Whether ``new`` measures what ``old`` did (see the module docstring); an entry written before
+    entries named their file matches by sha256 only."""
+    return (new["dataset"] == old.get("dataset") and new["provider"] == old.get("provider")
+            and (new["source_sha256"] == old.get("source_sha256")
+                 or (old.get("source") is not None and new["source"] == old.get("source"))))
 
 
 def history_path(cache_dir: str | Path) -> Path:
@@ -49,6 +57,7 @@ def record_validation(path: str | Path, report: Mapping[str, Any], manifest: Map
     for provider, p in report["providers"].items():
         new.append({
             "dataset": report["dataset"], "source_sha256": manifest.get("source_sha256"),
+            "source": str(Path(manifest["source"]).resolve()) if manifest.get("source") else None,
             "tokenizer_fingerprint": report.get("tokenizer_fingerprint"), "provider": provider,
             "family": manifest.get("family"), "recorded_at": now,
             **{k: p.get(k, 0) for k in ("total", *VERDICTS, "completion_verified")},
@@ -57,8 +66,7 @@ def record_validation(path: str | Path, report: Mapping[str, Any], manifest: Map
             "completion": p.get("completion", {}), "prompt": p.get("prompt", {}), "prompt_variant": p.get("prompt_variant"),
             "reasoning_count": p.get("reasoning_count", {}),
         })
-    keys = {tuple(e[k] for k in _KEY_FIELDS) for e in new}
-    kept = [e for e in _read(path) if tuple(e.get(k) for k in _KEY_FIELDS) not in keys]
+    kept = [e for e in _read(path) if not any(_replaces(n, e) for n in new)]
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, "".join(json.dumps(e) + "\n" for e in kept + new))
     return len(new)
