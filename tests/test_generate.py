@@ -334,6 +334,15 @@ def test_simulator_backend_end_to_end_with_samples(tmp_path, k25, monkeypatch):
     after = request_params(dataset_settings(validate_config(cfg), "d"), validate_config(cfg))
     assert after != before and after["simulator"]["family_definition"] == cfg["families"]["k25-quiet"]
     assert generate_dataset(cfg, "d", out, log=quiet)["requested"] == 10
+    # the tokenizer it answers with: a hub id has no files to declare, so its name and revision are params
+    hub = {**cfg, "models": {"m": {**cfg["models"]["m"], "tokenizer": "org/tokenizer"}}}
+    unpinned = request_params(dataset_settings(validate_config(hub), "d"), validate_config(hub))
+    hub["models"]["m"]["tokenizer_revision"] = "a" * 40
+    pinned = request_params(dataset_settings(validate_config(hub), "d"), validate_config(hub))
+    assert unpinned != after and pinned != unpinned and pinned["tokenizer"]["tokenizer_revision"] == "a" * 40
+    # a paid API is sent text: no tokenizer setting is a param of its generate rule
+    paid = {**hub, "datasets": {"d": {**hub["datasets"]["d"], "backend": "openrouter"}}}
+    assert "tokenizer" not in request_params(dataset_settings(validate_config(paid), "d"), validate_config(paid))
 
 
 # --------------------------------------------------------------------------------------------

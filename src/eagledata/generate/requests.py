@@ -133,9 +133,24 @@ def request_params(settings: DatasetSettings, config: Mapping[str, Any]) -> dict
     if settings.backend == "simulator":
         params["simulator"] = {**simulator_settings(config), **simulated_family(config, settings)}
         params["price_per_mtok"] = dict(settings.model.get("price_per_mtok") or {})
+    if tokenizer_shapes_responses(settings):
+        # its files are the rule's inputs; a hub id has none, so its name and pinned revision are here
+        params["tokenizer"] = {k: settings.model.get(k) for k in TOKENIZER_IDENTITY}
     # Snakemake compares params as written out, so a mapping's key order would count: keys sorted, a
     # config whose keys were reordered (by hand, or by a YAML dump) reruns nothing
     return json.loads(json.dumps(params, sort_keys=True))
+
+
+#: What names a model's tokenizer beyond its files (rules/common.smk's tokenizer settings hold these too).
+TOKENIZER_IDENTITY = ("tokenizer", "tokenizer_revision", "tokenizer_kind", "trust_remote_code")
+
+
+def tokenizer_shapes_responses(settings: DatasetSettings) -> bool:
+    """Whether the dataset's responses depend on its model's tokenizer: the stand-in answers with it,
+    and SGLang's native endpoint is sent prompt ids from it. A paid API is sent text (its responses
+    never depend on our tokenizer, so no tokenizer change re-requests one)."""
+    return settings.backend == "simulator" or (settings.backend == "sglang"
+                                               and settings.generation.get("sglang_endpoint") == "generate")
 
 
 def simulated_family(config: Mapping[str, Any], settings: DatasetSettings) -> dict[str, Any]:

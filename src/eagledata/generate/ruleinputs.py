@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from eagledata.config import DatasetSettings, dataset_settings
-from eagledata.generate.requests import request_params
+from eagledata.generate.requests import request_params, tokenizer_shapes_responses
 
 
 class GenerateRuleInputs:
@@ -30,9 +30,7 @@ class GenerateRuleInputs:
         """The simulator answers with the model's tokenizer, and SGLang's native endpoint is sent
         prompt ids from it, so its files shape the responses there (dedup compares prompt ids too,
         but a rebuilt tokenizer that merges no other prompts should not rerun the job)."""
-        s = self.settings(wildcards)
-        shaped = s.backend == "simulator" or (s.backend == "sglang" and s.generation.get("sglang_endpoint") == "generate")
-        return self.tokenizer_input(wildcards) if shaped else []
+        return self.tokenizer_input(wildcards) if tokenizer_shapes_responses(self.settings(wildcards)) else []
 
     def request(self, wildcards: Any) -> dict[str, Any]:
         """Output-shaping settings (see :func:`request_params`)."""
