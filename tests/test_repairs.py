@@ -78,6 +78,10 @@ def test_stripped_leading_space_is_repaired_only_when_unique(k25, tmp_path):
         _rec("strip2", "Stripper", r, neutral.lstrip(), _true_len(tok, fam, r, neutral), n_prompt),
         _rec("strip42", "Stripper", r, "42 apples.", _true_len(tok, fam, r, " 42 apples."), n_prompt),
         _rec("clean-neutral", "Clean", r, neutral.lstrip(), _true_len(tok, fam, r, neutral.lstrip()), n_prompt),
+        # strip2's text with a tool call whose provider id is rebuilt (repaired during reconstruction)
+        _rec("strip2-call", "Stripper", r, neutral.lstrip(),
+             _true_len(tok, fam, r, neutral, [ToolCall("functions.add:0", "add", '{"a": 1}')], "tool_calls"), n_prompt,
+             [("call_1", "add", '{"a": 1}')], "tool_calls"),
     ])
     s1 = rows["strip1"]
     assert s1["verdict"] == "repaired" and "whitespace_restored" in s1["reasons"]
@@ -89,9 +93,18 @@ def test_stripped_leading_space_is_repaired_only_when_unique(k25, tmp_path):
     assert rows["strip42"]["verdict"] == "mismatch" and "repair_ambiguous" in rows["strip42"]["reasons"]
     # same count with or without the space, from a provider proven to strip: never exact
     assert rows["strip2"]["verdict"] == "mismatch" and "whitespace_ambiguous" in rows["strip2"]["reasons"]
+    # its ids stay the text the provider returned: the restored candidate is evidence, never stored
+    s2 = rows["strip2"]
+    assert s2["input_ids"][s2["prompt_len"]:] == reconstruct_completion(
+        ParsedResponse(streamed=False, reasoning=r, content=neutral.lstrip(), finish_reason="stop"), tok, fam).ids
+    assert json.loads(s2["repair"])["status"] == "unique"
+    # a sample repaired during reconstruction is no exception: ambiguous too, never admitted
+    call = rows["strip2-call"]
+    assert call["verdict"] == "mismatch" and {"tool_id_rebuilt", "whitespace_ambiguous"} <= set(call["reasons"])
+    assert not call["train"]
     # the same text from a provider never seen stripping stays exact
     assert rows["clean-neutral"]["verdict"] == "exact"
-    assert manifest["conventions"]["Stripper"]["transformations_seen"] == {"whitespace_restored": 1}
+    assert manifest["conventions"]["Stripper"]["transformations_seen"] == {"whitespace_restored": 1, "tool_id_rebuilt": 1}
 
 
 def test_compact_json_arguments_are_respaced(k25, tmp_path):

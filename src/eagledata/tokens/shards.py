@@ -50,6 +50,7 @@ shard and writes its final file.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -505,14 +506,17 @@ class Judge:
 
     def whitespace_check(self, stats: Sequence[SampleStats], judged: Sequence[Judgement],
                          rows: Iterable[tuple[int, tuple]], learned: Mapping[str, Iterable[str]]) -> None:
-        """After round 2: for a provider proven to strip leading spaces, an exact sample that also
-        matches with a space restored is ambiguous."""
+        """After round 2: for a provider proven to strip leading spaces, a sample whose counts match
+        as it came (exact, or repaired during reconstruction: a rebuilt tool-call id...) and also
+        with a space restored is ambiguous. Its ids stay the text the provider returned (the
+        restored candidate is evidence, never stored). Samples a repair search already chose for
+        (round 2, whose candidates include the restored spaces) are not searched again."""
         strippers = {p for p, ts in learned.items() if set(ts) & {WHITESPACE_REASONING, WHITESPACE_CONTENT}}
         if not strippers:
             return
         for i, (segs, finish) in rows:
             st, j = stats[i], judged[i]
-            if j.verdict != "exact" or st.provider not in strippers:
+            if j.verdict not in ("exact", "repaired") or j.repair is not None or st.provider not in strippers:
                 continue
             res = search_repairs(_row_parsed(segs, finish), self.tokenizer, self.family, st.billed_completion,
                                  self._billed_reasoning(st), self._conv(st), _thinking_of(segs),
@@ -520,7 +524,7 @@ class Judge:
             if res.status in ("unique", "ambiguous"):
                 j.reasons.append("whitespace_ambiguous")
                 j.verdict = verdict_of(j.reasons)
-                j.repair = res
+                j.repair = dataclasses.replace(res, chosen=None)
 
     def _repair(self, st: SampleStats, j: Judgement, parsed, thinking: bool, known: tuple[str, ...]) -> None:
         res = search_repairs(parsed, self.tokenizer, self.family, st.billed_completion, self._billed_reasoning(st),
