@@ -135,3 +135,34 @@ def test_arguments_nested_too_deeply_are_not_respaced_and_do_not_crash():
     from eagledata.tokens.repairs import _respaced
     assert _respaced('{"a":1,"b":[2,3]}') == '{"a": 1, "b": [2, 3]}' and _respaced('{"a": 1}') is None
     assert _respaced("[" * 5000 + "]" * 5000) is None and _respaced('{"a":') is None
+
+
+def test_a_sample_never_proves_its_own_count_convention(k25, tmp_path):
+    """A sample is judged under the convention its provider's other samples support: a finish reason
+    seen once, whose ids hold one token more than the model produced, is judged under the provider's
+    convention (a mismatch), not under the one its own count happens to agree with; a provider seen
+    once has no convention (unknown); two samples of a finish reason that agree support each other."""
+    tok, fam = k25
+    n_prompt = len(prompt_ids(tok, MSGS))
+    r, call = " Let me think.", [ToolCall("functions.add:0", "add", '{"a": 1}')]
+    calls = [("functions.add:0", "add", '{"a": 1}')]
+    true_n = _true_len(tok, fam, r, " Sure", call, "tool_calls")
+    assert _true_len(tok, fam, r, " Sure!!", call, "tool_calls") == true_n + 1
+    records = [_rec(f"chat{i}", "P", r, f" Answer {i}.", _true_len(tok, fam, r, f" Answer {i}."), n_prompt) for i in range(5)]
+    records.append(_rec("extra-token", "P", r, " Sure!!", true_n, n_prompt, calls, "tool_calls"))
+    records.append(_rec("once", "Q", r, " Answer.", _true_len(tok, fam, r, " Answer.") - 1, n_prompt))
+    rows, manifest = _judge(tok, fam, tmp_path, records)
+    assert manifest["conventions"]["P"]["by_finish"]["tool_calls"]["convention"] == "excludes_eot"  # its own count
+    extra = rows["extra-token"]
+    assert extra["verdict"] == "mismatch" and "completion_count_mismatch" in extra["reasons"] and not extra["train"]
+    assert extra["completion_diff"] == 1  # under P's convention: counts_eot
+    once = rows["once"]
+    assert once["verdict"] == "mismatch" and "unknown_count_convention" in once["reasons"] and not once["train"]
+    assert all(rows[f"chat{i}"]["verdict"] == "exact" for i in range(5))
+    # a second tool_calls sample of P whose count agrees under excludes_eot too: independent evidence
+    # that P does not count <|im_end|> after a tool call, so each supports the other
+    records.append(_rec("second", "P", r, " Fine!!", _true_len(tok, fam, r, " Fine!!", call, "tool_calls") - 1,
+                        n_prompt, calls, "tool_calls"))
+    (tmp_path / "two").mkdir()
+    rows, _ = _judge(tok, fam, tmp_path / "two", records)
+    assert rows["extra-token"]["verdict"] == rows["second"]["verdict"] == "exact"

@@ -53,7 +53,7 @@ IMPLICATED: dict[str, tuple[str | None, str]] = {
     "malformed_body": (None, "no completion token: the body could not be parsed"),
     "empty_response": (None, "no completion token: the response is empty"),
     "completion_count_missing": (None, "no single token: the provider reported no completion count"),
-    "unknown_count_convention": (None, "no single token: the provider's counts follow neither known convention"),
+    "unknown_count_convention": (None, "no single token: the provider's other samples support neither known convention"),
     "reasoning_unexpected": (None, "no token: the reasoning text returned without thinking is not in the ids"),
     "reasoning_count_unreported": (None, "no token: the provider reports 0 reasoning tokens"),
     "reasoning_count_unchecked": (None, "no token: this provider's reasoning count is not a checksum; the total was checked"),

@@ -43,7 +43,7 @@ REASONS: dict[str, tuple[str, str]] = {
     "completion_count_mismatch": ("block", "our completion token count differs from usage.completion_tokens under the provider's convention"),
     "reasoning_count_mismatch": ("block", "our reasoning token count differs from completion_tokens_details.reasoning_tokens (equal or +1 for </think> allowed)"),
     "prompt_count_mismatch": ("block", "our rendered prompt's token count differs from usage.prompt_tokens"),
-    "unknown_count_convention": ("block", "the provider's counts follow neither known convention (end-of-turn counted or not)"),
+    "unknown_count_convention": ("block", "the provider's other samples support neither known convention (end-of-turn counted or not): a sample's own count cannot choose it"),
     "reasoning_missing": ("block", "thinking was requested but the response carries no reasoning"),
     "reasoning_unexpected": ("block", "reasoning text returned for a model or request without thinking"),
     "think_close_count": ("block", "a thinking completion must contain exactly one </think>"),
@@ -236,12 +236,10 @@ def learn_conventions(stats: Iterable[SampleStats]) -> dict[str, dict]:
     for s in stats:
         c = support.setdefault(s.provider, Counter())
         f = by_finish.setdefault((s.provider, s.finish_reason or ""), Counter())
-        if not s.has_eot or s.billed_completion is None or any(REASONS[k][0] == "error" for k in s.codes):
-            continue
-        for conv in CONVENTIONS:
-            if s.completion_diff(conv) == 0:
-                c[conv] += 1
-                f[conv] += 1
+        vote = count_vote(s)
+        if vote is not None:
+            c[vote] += 1
+            f[vote] += 1
     out: dict[str, dict] = {}
     for provider, c in support.items():
         out[provider] = {"convention": pick_convention(c), "support": dict(c), "by_finish": {}}
@@ -251,18 +249,44 @@ def learn_conventions(stats: Iterable[SampleStats]) -> dict[str, dict]:
     return out
 
 
+def count_vote(s: SampleStats) -> str | None:
+    """The convention this sample's billed completion count agrees under, when the sample can tell
+    them apart (it ends in end-of-turn, is billed, has no error): its one vote in its group's
+    support. The two conventions differ by one token, so a count agrees under one at most."""
+    if not s.has_eot or s.billed_completion is None or any(REASONS[k][0] == "error" for k in s.codes):
+        return None
+    return next((conv for conv in CONVENTIONS if s.completion_diff(conv) == 0), None)
+
+
 def pick_convention(c: Counter) -> str:
     if not c:
         return "unknown"
     return max(CONVENTIONS, key=lambda k: (c[k], k == COUNTS_EOT))
 
 
-def convention_for(conventions: Mapping[str, Mapping], provider: str, finish_reason: str | None) -> str:
-    """The convention a sample is judged under: its (provider, finish reason) group's, else the
-    provider's."""
+def convention_for(conventions: Mapping[str, Mapping], provider: str, finish_reason: str | None,
+                   own_vote: str | None = None) -> str:
+    """The convention a (provider, finish reason) group's samples are judged under: the group's, else
+    the provider's. With ``own_vote`` (the judged sample's :func:`count_vote`), that vote is left out
+    of the support first, so a sample never proves itself: a group whose only support is the sample
+    falls back to the provider's other samples, and a provider whose only support it is judges it
+    under no convention (``unknown``). Otherwise one sample with a token too many could pick the
+    convention under which its count agrees."""
     p = conventions.get(provider) or {}
     group = (p.get("by_finish") or {}).get(finish_reason or "")
-    return group["convention"] if group else p.get("convention", "unknown")
+    if own_vote is None:
+        return group["convention"] if group else p.get("convention", "unknown")
+    if group:
+        conv = _pick_without(group.get("support") or {}, own_vote)
+        if conv != "unknown":
+            return conv
+    return _pick_without(p.get("support") or {}, own_vote)
+
+
+def _pick_without(support: Mapping[str, int], vote: str) -> str:
+    c = Counter(support)
+    c[vote] -= 1
+    return pick_convention(+c)
 
 
 def verdict(stats: SampleStats, convention: str, reasoning_checked: bool = True) -> tuple[str, list[str]]:

@@ -62,8 +62,8 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import polars as pl
 
-from eagledata.tokens.checks import (COUNT_CODES, REASONS, SampleStats, completion_verdict, convention_for, learn_conventions,
-                     prompt_verdict, repairable, sample_stats, verdict, verdict_of)
+from eagledata.tokens.checks import (COUNT_CODES, REASONS, SampleStats, completion_verdict, convention_for, count_vote,
+                     learn_conventions, prompt_verdict, repairable, sample_stats, verdict, verdict_of)
 from eagledata.tokens.learning import learn_prompt_variants, learn_reasoning_reliability, reasoning_checked, sample_variant
 from eagledata.tokens.policy import Policy, resolve_policy
 from eagledata.tokens.repairs import (WHITESPACE_CONTENT, WHITESPACE_REASONING, RepairResult, applicable_transforms,
@@ -462,7 +462,8 @@ class Judge:
         return st.billed_reasoning if reasoning_checked(self.reliability, st.provider) else None
 
     def _conv(self, st: SampleStats) -> str:
-        return convention_for(self.conventions, st.provider, st.finish_reason)
+        """The convention ``st`` is judged under: learned from the other samples (its own vote left out)."""
+        return convention_for(self.conventions, st.provider, st.finish_reason, count_vote(st))
 
     def first_verdicts(self, stats: Sequence[SampleStats]) -> list[Judgement]:
         """Each sample under its provider's convention, before any repair."""

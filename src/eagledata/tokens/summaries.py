@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-from eagledata.tokens.checks import CONVENTIONS, EXCLUDES_EOT, COUNTS_EOT, REASONS, SampleStats, pick_convention, convention_for
+from eagledata.tokens.checks import (EXCLUDES_EOT, COUNTS_EOT, REASONS, SampleStats, count_vote, pick_convention,
+                                     convention_for)
 from eagledata.tokens.learning import JSON_TOOLS, MIN_VARIANT_SAMPLES, diff_under, variant_name
 
 SUMMARY_VERSION = 1
@@ -51,11 +52,10 @@ def summarize(stats: Iterable[SampleStats]) -> dict[str, Any]:
         rows += 1
         c = conv.setdefault(s.provider, {})
         f = by_finish.setdefault(_sep(s.provider, s.finish_reason or ""), {})
-        if s.has_eot and s.billed_completion is not None and not _has_error(s):
-            for k in CONVENTIONS:
-                if s.completion_diff(k) == 0:
-                    c[k] = c.get(k, 0) + 1
-                    f[k] = f.get(k, 0) + 1
+        vote = count_vote(s)
+        if vote is not None:
+            c[vote] = c.get(vote, 0) + 1
+            f[vote] = f.get(vote, 0) + 1
         d = s.reasoning_diff()
         if d is not None and not _has_error(s):
             key = _sep(s.provider, s.finish_reason or "", int(s.completion_diff(COUNTS_EOT) == 0),
