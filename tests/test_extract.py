@@ -654,6 +654,12 @@ def test_max_seq_len_truncates_or_skips_and_flags(tmp_path, weights, model, on_l
             "max_seq_len": 20, "on_long": "truncate", "truncated": 1, "skipped": 1,
             "trainer_max_len": {"specforge": 2048, "speculators": 8192},
             "over_trainer_max": {"specforge": 0, "speculators": 0}}
+        # a trainer's export says so too: its samples are the stored ones, one of them cut
+        from eagledata.export.specforge import export_specforge
+
+        meta = export_specforge(tmp_path / "hidden", tmp_path / "specforge", dtype="float32")
+        assert meta["samples"] == 3 and meta["length_limit"] == manifest["length_limit"]
+        assert json.loads((tmp_path / "specforge" / "export.json").read_text())["length_limit"]["truncated"] == 1
     else:
         assert ids == ["short", "exact"] and set(flagged) == {"long", "long-prompt"}
         assert manifest["length_limit"]["truncated"] == 0 and manifest["length_limit"]["skipped"] == 2

@@ -215,6 +215,8 @@ def common_meta(manifest: dict[str, Any], hidden_dir: Path, trainer: str, sample
         "vocab_size": manifest["vocab_size"],
         "samples": samples,
         "tokens": tokens,
+        # samples cut or left out at the dataset's max_seq_len (which ones: the hidden manifest's shards)
+        "length_limit": manifest.get("length_limit"),
         "mapping": "mapping.parquet",
     }
 
