@@ -300,6 +300,32 @@ def test_api_key_is_sent_but_never_written(setup, tmp_path, key):
         assert key.encode() not in p.read_bytes(), p
 
 
+def test_a_key_read_with_its_line_break_is_sent_trimmed_and_never_written(setup, tmp_path, key, monkeypatch):
+    """A key read from a secret file keeps its trailing line break: it is sent without it, and no file
+    holds the key. A key with whitespace inside is refused before anything is sent, without showing it;
+    and a transport error that quotes a credential (httpx quotes a refused header) is logged redacted."""
+    import httpx
+
+    from eagledata.generate.transport import _describe
+
+    sim, cfg = setup()
+    monkeypatch.setenv("OPENROUTER_API_KEY", key + "\n")
+    logs: list[str] = []
+    generate_dataset(cfg, "d", tmp_path / "results" / "d" / "responses.jsonl", log=logs.append)
+    assert sim.authorizations and set(sim.authorizations) == {f"Bearer {key}"}
+    (tmp_path / "run.log").write_text("\n".join(logs))
+    for p in (p for p in tmp_path.rglob("*") if p.is_file()):
+        assert key.encode() not in p.read_bytes(), p
+    monkeypatch.setenv("OPENROUTER_API_KEY", key[:8] + " " + key[8:])
+    sent = len(sim.authorizations)
+    cfg["generation"]["max_tokens"] = 301  # other requests: nothing cached applies
+    with pytest.raises(GenerationError, match="whitespace or a control character") as err:
+        generate_dataset(cfg, "d", tmp_path / "results" / "d" / "responses.jsonl", log=quiet)
+    assert key[8:] not in str(err.value) and len(sim.authorizations) == sent
+    quoted = _describe(httpx.LocalProtocolError(f"Illegal header value b'Bearer {key}\\n'"))
+    assert key not in quoted and "Bearer [redacted]" in quoted
+
+
 def test_missing_key_and_sglang_without_server(tmp_path, monkeypatch):
     monkeypatch.delenv("OPENROUTER_API_KEY", raising=False)
     prompts = write_prompts(tmp_path / "p.jsonl", 2)

@@ -682,13 +682,14 @@ def cmd_budget(args: Any) -> int:
     try:
         notes = []
         if args.reconcile:
-            from eagledata.generate.openrouter import API_KEY_ENV, key_usage, reconcile_generations
+            from eagledata.generate.errors import GenerationError
+            from eagledata.generate.openrouter import api_key, key_usage, reconcile_generations
 
-            key = os.environ.get(API_KEY_ENV)
-            if not key:
-                print(f"eagledata budget --reconcile: set {API_KEY_ENV}", file=sys.stderr)
+            try:
+                headers = {"Authorization": f"Bearer {api_key('eagledata budget --reconcile')}"}
+            except GenerationError as exc:
+                print(exc, file=sys.stderr)
                 return 2
-            headers = {"Authorization": f"Bearer {key}"}
             bases = sorted({r["api_base"] for r in ledger.orphans() if r["api_base"]})
             for base in bases:
                 notes.append(f"{base}: /generation: {asyncio.run(reconcile_generations(ledger, base, headers))}")

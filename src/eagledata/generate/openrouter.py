@@ -19,15 +19,26 @@ FINAL_STATUSES_FATAL = {401: "the API key was rejected (401): check OPENROUTER_A
                              "lower the load, then rerun"}
 
 
+def api_key(who: str) -> str:
+    """The key in ``OPENROUTER_API_KEY``, without the surrounding whitespace a secret file's trailing
+    line break brings. A :class:`GenerationError` (naming ``who`` and never the key) when it is unset,
+    or holds whitespace or a control character inside: an HTTP client refuses such a header with an
+    error that quotes it, which would carry the key into logs and files."""
+    key = (os.environ.get(API_KEY_ENV) or "").strip()
+    if not key:
+        raise GenerationError(f"{who}: set {API_KEY_ENV} in the environment")
+    if any(c.isspace() or not c.isprintable() for c in key):
+        raise GenerationError(f"{who}: {API_KEY_ENV} holds whitespace or a control character inside it: "
+                              "set it to the key alone (it is not shown here)")
+    return key
+
+
 def auth_headers(backend: str, dataset: str) -> dict[str, str]:
-    """The headers every request of ``backend`` carries; OpenRouter's include the key from
-    ``OPENROUTER_API_KEY`` (a :class:`GenerationError` when it is not set)."""
+    """The headers every request of ``backend`` carries; OpenRouter's include the key
+    (:func:`api_key`)."""
     headers = {"X-Title": "eagledata"}
     if backend == "openrouter":
-        key = os.environ.get(API_KEY_ENV)
-        if not key:
-            raise GenerationError(f"dataset {dataset!r} uses backend openrouter: set {API_KEY_ENV} in the environment")
-        headers["Authorization"] = f"Bearer {key}"
+        headers["Authorization"] = f"Bearer {api_key(f'dataset {dataset!r} uses backend openrouter')}"
     return headers
 
 

@@ -32,6 +32,7 @@ What this module adds to httpx, and why:
 from __future__ import annotations
 
 import asyncio
+import re
 import ssl
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -158,8 +159,13 @@ async def _drop_if_desynchronised(client: httpx.AsyncClient) -> None:
 
 
 def _describe(exc: httpx.TransportError) -> str:
-    text = str(exc) or type(exc).__name__
+    """A transport error as text for logs and the ledger, with any credential it quotes (httpx
+    quotes a refused header's value) replaced."""
+    text = _CREDENTIAL.sub(r"\1[redacted]", str(exc) or type(exc).__name__)
     return text if type(exc).__name__ in text else f"{type(exc).__name__}: {text}"
+
+
+_CREDENTIAL = re.compile(r"((?:Bearer|Basic)\s+)[^\s'\"]+", re.IGNORECASE)
 
 
 async def get_json(client: httpx.AsyncClient, url: str, headers: Mapping[str, str], timeout: float) -> tuple[int, Any]:
