@@ -90,6 +90,9 @@ def test_reconcile_from_generation_and_key_usage(tmp_path, k25):
         assert led.totals()["a"]["spent"] == pytest.approx(billed[0] + billed[1])
         usage = asyncio.run(key_usage(sim.base_url, {}))
         assert usage == pytest.approx(sim.billed_usd)
+        # a rehearsal on the stand-in shares the ledger: its simulated costs were never the key's
+        led.apply([Reserve("sim-0", "rehearse", 0.2, 100, None, {"backend": "simulator", "api_base": None})], [])
+        led.apply([], [("settle", "sim-0", {"cost": 0.15})])
         res = led.reconcile_by_key_usage(sim.base_url, usage)  # the unexplained rest is the orphan's
         assert res["settled"] == 1 and led.totals()["a"]["spent"] == pytest.approx(sum(billed))
         assert led.totals()["a"]["held"] == pytest.approx(0.0)

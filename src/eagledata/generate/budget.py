@@ -379,7 +379,7 @@ class BudgetLedger:
     def reconcile_by_key_usage(self, api_base: str, usage_now: float) -> dict[str, Any]:
         """Settle orphans without a generation id from the key's usage: for the latest snapshot
         taken before the oldest such orphan, the unexplained spend is ``usage_now - snapshot -
-        (costs settled since)``; the orphans are settled at ``min(their reservations, that)``,
+        (costs settled since, of requests sent to ``api_base`` with the key: never a stand-in's)``; the orphans are settled at ``min(their reservations, that)``,
         shared in proportion to their reservations (conservative: other use of the key counts as
         theirs)."""
         now = time.time()
@@ -393,8 +393,10 @@ class BudgetLedger:
                                    (api_base, oldest)).fetchone()
             if snap is None:
                 return {"orphans": len(rows), "settled": 0, "reason": "no key-usage snapshot older than the orphans"}
-            known = self.db.execute("SELECT COALESCE(SUM(cost),0) FROM reservations WHERE state='settled' AND created>=?",
-                                    (snap[0],)).fetchone()[0]
+            # only what this key paid for: a stand-in's or SGLang's simulated costs sharing the ledger are not
+            known = self.db.execute("SELECT COALESCE(SUM(cost),0) FROM reservations WHERE state='settled' AND created>=? "
+                                    "AND COALESCE(backend, 'openrouter')='openrouter' AND (api_base=? OR api_base IS NULL)",
+                                    (snap[0], api_base)).fetchone()[0]
             unexplained = max(0.0, usage_now - snap[1] - known)
             held = sum(r[1] for r in rows)
             share = min(1.0, unexplained / held) if held > 0 else 0.0
