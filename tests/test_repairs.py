@@ -166,3 +166,49 @@ def test_a_sample_never_proves_its_own_count_convention(k25, tmp_path):
     (tmp_path / "two").mkdir()
     rows, _ = _judge(tok, fam, tmp_path / "two", records)
     assert rows["extra-token"]["verdict"] == rows["second"]["verdict"] == "exact"
+
+
+def test_an_end_that_is_not_proven_is_never_exact(k25, tmp_path):
+    """Only a stop reason proves the model's end-of-turn, and only 'length' is a known cut: a content
+    filter, an abort or no finish reason at all (as a stream that just ends) blocks the sample even
+    when its count agrees; a 'stop' when the request set stop sequences may be one of them, trimmed
+    from the text, so it proves no end-of-turn either."""
+    tok, fam = k25
+    n_prompt = len(prompt_ids(tok, MSGS))
+    r = " Let me think."
+    records = [_rec(f"ok{i}", "P", r, f" Answer {i}.", _true_len(tok, fam, r, f" Answer {i}."), n_prompt) for i in range(3)]
+    for finish in ("content_filter", None, "abort"):  # cut: no end-of-turn, the count agrees without one
+        records.append(_rec(f"cut-{finish}", "P", r, " The answer is", _true_len(tok, fam, r, " The answer is", (), finish),
+                            n_prompt, finish=finish))
+    stopped = _rec("stop-sequence", "P", r, " The answer is 5.", _true_len(tok, fam, r, " The answer is 5."), n_prompt)
+    stopped["request"]["stop"] = ["\n\n"]
+    records.append(stopped)
+    rows, _ = _judge(tok, fam, tmp_path, records)
+    assert all(rows[f"ok{i}"]["verdict"] == "exact" for i in range(3))
+    for finish in ("content_filter", None, "abort"):
+        row = rows[f"cut-{finish}"]
+        assert row["completion_diff"] == 0 and row["verdict"] == "mismatch" and not row["train"], row
+        assert "finish_unproven" in row["reasons"]
+    row = rows["stop-sequence"]
+    assert row["completion_diff"] == 0 and row["verdict"] == "mismatch" and "stop_sequence_requested" in row["reasons"]
+
+
+def test_arguments_with_a_fraction_are_not_respaced(k25, tmp_path):
+    """A number's spelling does not survive a re-serialization (19.90 and 19.9 may count alike): a
+    compact text holding one is no respacing candidate, whatever the provider is known to do."""
+    tok, fam = k25
+    n_prompt = len(prompt_ids(tok, MSGS))
+    r = " Use the tool."
+    spaced, compact = '{"a": 2, "b": 3}', '{"a":2,"b":3}'
+    model, sent = '{"item": "book", "price": 19.90}', '{"item":"book","price":19.90}'
+    truth = _true_len(tok, fam, r, "", [ToolCall("functions.add:0", "add", spaced)], "tool_calls")
+    priced = _true_len(tok, fam, r, "", [ToolCall("functions.f:0", "f", model)], "tool_calls")
+    rows, _ = _judge(tok, fam, tmp_path, [
+        _rec("compact", "Q", r, "", truth, n_prompt, [("functions.add:0", "add", compact)], "tool_calls"),
+        _rec("plain", "Q", r, " ok", _true_len(tok, fam, r, " ok"), n_prompt),
+        _rec("plain2", "Q", r, " fine", _true_len(tok, fam, r, " fine"), n_prompt),
+        _rec("price", "Q", r, "", priced, n_prompt, [("functions.f:0", "f", sent)], "tool_calls"),
+    ])
+    assert rows["compact"]["verdict"] == "repaired"  # Q is proven to compact its arguments
+    price = rows["price"]
+    assert price["verdict"] == "mismatch" and not price["train"] and "tool_arguments_respaced" not in price["reasons"]

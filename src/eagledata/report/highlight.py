@@ -52,6 +52,8 @@ IMPLICATED: dict[str, tuple[str | None, str]] = {
     "error_in_body": (None, "no completion token: the provider answered with an error"),
     "malformed_body": (None, "no completion token: the body could not be parsed"),
     "empty_response": (None, "no completion token: the response is empty"),
+    "finish_unproven": (None, "no single token: the response's end is unproven (it may be cut off after the last one)"),
+    "stop_sequence_requested": (None, "no single token: the end-of-turn may stand for a stop sequence the provider trimmed"),
     "completion_count_missing": (None, "no single token: the provider reported no completion count"),
     "unknown_count_convention": (None, "no single token: the provider's other samples support neither known convention"),
     "reasoning_unexpected": (None, "no token: the reasoning text returned without thinking is not in the ids"),

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 from eagledata.text.families import ModelFamily
+from eagledata.tokens.reconstruct import STOP_REASONS
 from eagledata.tokens.samples import Sample
 from eagledata.text.tokenizer import Tokenizer
 
@@ -37,6 +38,10 @@ REASONS: dict[str, tuple[str, str]] = {
     "malformed_body": ("error", "the response body is not valid JSON or SSE"),
     "prompt_unrenderable": ("error", "the request's messages could not be rendered with the chat template"),
     "truncated": ("block", "the completion was cut at max_tokens (finish_reason 'length'): no end-of-turn"),
+    "finish_unproven": ("block", "the response ended without a finish reason that proves its end (not a stop, not 'length': "
+                                 "a content filter, an abort, or none reported): it may be cut off"),
+    "stop_sequence_requested": ("block", "the request set stop sequences: a 'stop' finish may be one of them, trimmed "
+                                         "from the text, rather than the model's end-of-turn"),
     "empty_response": ("block", "the response has no reasoning, no content and no tool calls"),
     "lossy_text": ("block", "returned text contains U+FFFD: bytes were lost, the ids cannot be proven"),
     "completion_count_missing": ("block", "usage.completion_tokens is missing: nothing to prove the ids against"),
@@ -122,6 +127,10 @@ def structural_codes(sample: Sample, tokenizer: Tokenizer, family: ModelFamily) 
     if p.error is None:
         if p.finish_reason == "length":
             codes.append("truncated")
+        elif p.finish_reason not in STOP_REASONS:
+            codes.append("finish_unproven")
+        elif p.finish_reason == "stop" and _stop_sequences(sample.request) and "ground_truth_ids" not in rc.flags:
+            codes.append("stop_sequence_requested")
         if not (p.reasoning or p.content or p.tool_calls):
             codes.append("empty_response")
         if rc.thinking and sample.thinking_requested is not False and not rc.segment_text("reasoning"):
@@ -130,6 +139,12 @@ def structural_codes(sample: Sample, tokenizer: Tokenizer, family: ModelFamily) 
             codes.append("completion_count_missing")
     codes.extend(_structure_codes(rc, tokenizer, family, truncated=p.finish_reason == "length" or p.error is not None))
     return list(dict.fromkeys(codes))
+
+
+def _stop_sequences(request: Mapping[str, Any]) -> bool:
+    """Whether a request body asked for stop sequences (``stop``, as OpenAI's and OpenRouter's APIs
+    name it; ``stop_sequences``, as some providers do)."""
+    return any(request.get(k) for k in ("stop", "stop_sequences"))
 
 
 _FAMILY_IDS: dict[tuple[str, str], tuple[int, ...]] = {}

@@ -72,11 +72,17 @@ def parsed_from_segments(segments: list[Mapping[str, Any]], finish_reason: str |
 
 
 def _respaced(arguments: str) -> str | None:
+    """The arguments as the model spaces JSON, or ``None`` when there is nothing to respace or the
+    respacing could not be proven to change only whitespace: a number with a fraction or an
+    exponent (``19.90``, ``1e3``) is spelled by whoever serialized it last, so the model's digits
+    cannot be recovered from a re-serialized text (and ``19.90`` and ``19.9`` may count alike)."""
+    spelled: list[str] = []
     try:  # a provider's arguments: nested too deeply for the standard library is no JSON to respace
-        spaced = json.dumps(json.loads(arguments), ensure_ascii=False)
+        value = json.loads(arguments, parse_float=lambda text: spelled.append(text) or float(text))
+        spaced = json.dumps(value, ensure_ascii=False)
     except (ValueError, RecursionError):
         return None
-    return spaced if spaced != arguments else None
+    return spaced if spaced != arguments and not spelled else None
 
 
 #: What a leading-whitespace strip may have removed. Every one is a candidate, so a count that
