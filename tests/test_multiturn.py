@@ -200,6 +200,12 @@ def test_dedup_within_and_across_datasets_first_listed_keeps_it(k25, tmp_path):
     cfg["datasets"]["b"]["dedup"] = True
     cfg["datasets"]["b"]["turns"] = "all"  # other work than a's single requests: not deduplicated against a
     assert [p.id for p in dataset_work(cfg, "b").prompts] == ["y1", "y2"]
+    cfg["datasets"]["b"]["turns"] = "last"
+    # a rehearsal on the stand-in listed first never empties a paid dataset: other requests, other answers
+    cfg["datasets"]["b"] = {**cfg["datasets"]["b"], "backend": "openrouter"}
+    assert [p.id for p in dataset_work(cfg, "b").prompts] == ["y1", "y2"]
+    cfg["datasets"]["b"] = {**cfg["datasets"]["b"], "backend": "simulator", "generation": {"max_tokens": 99}}
+    assert [p.id for p in dataset_work(cfg, "b").prompts] == ["y1", "y2"]  # other output settings: other work
 
 
 def test_plan_counts_turns_and_bounds_the_growing_history(k25, tmp_path):

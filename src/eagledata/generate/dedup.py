@@ -7,9 +7,11 @@ content vs one text part, arguments as an object vs a string) are found too.
 
 Rule: within a dataset the first record (in file order) is kept. Across datasets, a dataset drops a
 record already present in a dataset listed *before* it in ``datasets:`` that is generated from
-prompts with the same model and the same ``turns`` setting (the same tokenizer and the same
-requests: the listed-first dataset keeps it; for another model or another ``turns`` it is other
-work). Each dropped record is reported with the record it duplicates (``generation_summary.json``
+prompts with the same model and sends the same requests for them (the same backend and endpoint,
+the same output-shaping settings and ``turns``: the generate rule's params, :func:`request_params`,
+but ``dedup``), so the listed-first dataset's response is the one this dataset would have got. A
+dataset on another backend (a stand-in rehearsal, a local server) or with other settings is other
+work, whatever its prompts. Each dropped record is reported with the record it duplicates (``generation_summary.json``
 ``dedup`` and the log).
 """
 
@@ -48,9 +50,19 @@ def earlier_datasets(config: Mapping[str, Any], dataset: str) -> list[str]:
     for name in names[: names.index(dataset)]:
         ds = config["datasets"][name]
         if ds.get("prompts") and not ds.get("responses") and ds.get("model") == mine.get("model") \
-                and ds.get("turns", "last") == mine.get("turns", "last"):
+                and _requests_of(config, name) == _requests_of(config, dataset):
             out.append(name)
     return out
+
+
+def _requests_of(config: Mapping[str, Any], dataset: str) -> dict[str, Any]:
+    """What shapes a dataset's requests and answers: its generate rule's params but ``dedup``."""
+    from eagledata.config import dataset_settings
+    from eagledata.generate.requests import request_params
+
+    params = request_params(dataset_settings(config, dataset), config)
+    params.pop("dedup", None)
+    return params
 
 
 def dedup_prompts(config: Mapping[str, Any], dataset: str, prompts: Sequence[Prompt],
