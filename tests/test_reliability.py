@@ -186,6 +186,25 @@ def test_a_correct_config_still_passes_and_examples_validate():
     assert out["generation"]["max_tokens"] == 400 and out["generation"]["concurrency"] == 8
 
 
+@pytest.mark.parametrize("where", ["generation", "dataset"])
+def test_extra_body_may_not_set_what_the_budget_reserves_by(tmp_path, where):
+    """Proves: generation.extra_body.max_tokens (sent as is, while the budget and `eagledata plan`
+    reserve by generation.max_tokens) is refused naming the file, the key path and the setting to
+    use, in the global block and in a dataset's."""
+    from eagledata.config import ConfigError, load_config
+
+    cfg = demo_config()
+    block = cfg["generation"] if where == "generation" else cfg["datasets"]["chat"].setdefault("generation", {})
+    block["extra_body"] = {"top_k": 5, "max_tokens": 3000}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    key = "generation" if where == "generation" else "datasets.chat.generation"
+    assert str(err.value) == (f"{path}: {key}.extra_body.max_tokens: set generation.max_tokens instead: the budget "
+                              "and eagledata plan reserve by it")
+
+
 # --------------------------------------------------------------------------------------------
 # 2. dataset names
 

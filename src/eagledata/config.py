@@ -200,7 +200,22 @@ def validate_config(config: dict, source: str = "config") -> dict:
             get_family(m["family"], config.get("families"))
         except KeyError as exc:
             raise ConfigError(f"{source}: models.{name}.family: {exc.args[0]}") from None
+    blocks = [("generation", config.get("generation") or {})]
+    blocks += [(f"datasets.{n}.generation", ds.get("generation") or {}) for n, ds in config["datasets"].items()]
+    for where, block in blocks:
+        for key in sorted(set(block.get("extra_body") or {}) & set(EXTRA_BODY_REFUSED)):
+            raise ConfigError(f"{source}: {where}.extra_body.{key}: {EXTRA_BODY_REFUSED[key]}")
     return config
+
+
+#: Request fields ``extra_body`` may not set, and why: the budget and ``eagledata plan`` reserve by
+#: ``generation.max_tokens``, and the client decides streaming and usage reporting.
+EXTRA_BODY_REFUSED = {
+    "max_tokens": "set generation.max_tokens instead: the budget and eagledata plan reserve by it",
+    "max_completion_tokens": "set generation.max_tokens instead: the budget and eagledata plan reserve by it",
+    "stream": "set generation.stream instead",
+    "usage": "usage reporting is always requested (the budget settles by it)",
+}
 
 
 def config_source(configfiles: Any) -> str:
