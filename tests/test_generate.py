@@ -84,6 +84,10 @@ def test_read_prompts_ids_and_blank_lines(tmp_path):
      ":1:tools[0].function.name"),
     (['{"message": [{"role": "user", "content": "x"}]}'], ":1:message"),
     (['[1, 2]'], ":1"),
+    (['{"messages": [{"role": "user", "content": "x \\ud800 y"}]}'], ":1:messages[0].content: a string holds a lone surrogate"),
+    (['{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f", '
+      '"parameters": {"type": "object", "properties": {"a": {"type": "number", "maximum": NaN}}}}}]}'],
+     ":1:tools[0].function.parameters.properties.a.maximum: nan is no JSON number"),
 ])
 def test_malformed_prompt_files_name_file_line_field(tmp_path, lines, where):
     p = tmp_path / "bad.jsonl"

@@ -11,6 +11,7 @@ Every problem raises :class:`PromptFileError` naming ``file:line:field``.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,10 +103,38 @@ def _check_tools(tools: Any, where: str) -> None:
             raise PromptFileError(f"{where}[{j}].function.parameters: must be a JSON schema object")
 
 
+def _unsendable(value: Any, path: str) -> tuple[str, str] | None:
+    """The first place in a decoded line that no request body can carry, and why: a string with a
+    lone surrogate (an unpaired ``\\ud800``-``\\udfff`` escape: not Unicode, so not UTF-8) or a
+    non-finite number (``NaN``, ``Infinity``: Python's JSON reader takes them, JSON has none)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "(line)", "a string holds a lone surrogate (an unpaired \\ud800-\\udfff escape): not valid Unicode"
+    elif isinstance(value, float) and not math.isfinite(value):
+        return path or "(line)", f"{value} is no JSON number (NaN and Infinity cannot be sent)"
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            here = f"{path}.{key}" if path else str(key)
+            found = _unsendable(key, here) or _unsendable(item, here)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _unsendable(item, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
 def parse_prompt_line(obj: Any, where: str, lineno: int) -> Prompt:
     """Validate one decoded line; ``where`` is ``file:line`` for messages."""
     if not isinstance(obj, dict):
         raise PromptFileError(f"{where}: a line must be a JSON object, got {type(obj).__name__}")
+    unsendable = _unsendable(obj, "")
+    if unsendable is not None:
+        raise PromptFileError(f"{where}:{unsendable[0]}: {unsendable[1]}")
     unknown = sorted(set(obj) - PROMPT_KEYS)
     if unknown:
         raise PromptFileError(f"{where}:{unknown[0]}: unknown field; allowed: {sorted(PROMPT_KEYS)}")
