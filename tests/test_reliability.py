@@ -203,6 +203,10 @@ def test_extra_body_may_not_set_what_the_budget_reserves_by(tmp_path, where):
     key = "generation" if where == "generation" else "datasets.chat.generation"
     assert str(err.value) == (f"{path}: {key}.extra_body.max_tokens: set generation.max_tokens instead: the budget "
                               "and eagledata plan reserve by it")
+    block["extra_body"] = {"n": 2}  # several choices in one response would be read as one answer
+    path.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(ConfigError, match=rf"{key}\.extra_body\.n: one completion per request"):
+        load_config(path)
 
 
 # --------------------------------------------------------------------------------------------

@@ -215,6 +215,7 @@ EXTRA_BODY_REFUSED = {
     "max_completion_tokens": "set generation.max_tokens instead: the budget and eagledata plan reserve by it",
     "stream": "set generation.stream instead",
     "usage": "usage reporting is always requested (the budget settles by it)",
+    "n": "one completion per request (a response's choices would be read as one): set samples_per_prompt instead",
 }
 
 
