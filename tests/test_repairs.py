@@ -212,3 +212,40 @@ def test_arguments_with_a_fraction_are_not_respaced(k25, tmp_path):
     assert rows["compact"]["verdict"] == "repaired"  # Q is proven to compact its arguments
     price = rows["price"]
     assert price["verdict"] == "mismatch" and not price["train"] and "tool_arguments_respaced" not in price["reasons"]
+
+
+def test_a_stop_sequence_finish_casts_no_vote_and_engine_ids_prove_only_an_end_of_turn(k25, k2, tmp_path):
+    """Samples whose 'stop' may be a trimmed stop string cast no count-convention vote (three of them
+    would otherwise teach a provider that excludes <|im_end|> to count it, and a tool call one token
+    short would pass); an engine's own ids exempt a 'stop' only when they end in <|im_end|>."""
+    tok, fam = k25
+    n_prompt = len(prompt_ids(tok, MSGS))
+    r, call = " Let me think.", [ToolCall("functions.add:0", "add", '{"a": 1}')]
+    records = [_rec(f"hit{i}", "P", r, f" Answer {i}.", _true_len(tok, fam, r, f" Answer {i}."), n_prompt) for i in range(3)]
+    records.append(_rec("natural", "P", r, " Done.", _true_len(tok, fam, r, " Done.") - 1, n_prompt))
+    true_n = _true_len(tok, fam, r, " Sure!!", call, "tool_calls")  # the model's; P excludes <|im_end|>
+    records.append(_rec("short-call", "P", r, " Sure", true_n - 1, n_prompt, [("functions.add:0", "add", '{"a": 1}')],
+                        "tool_calls"))
+    for rec in records:
+        rec["request"]["stop"] = ["\n\n"]
+    rows, manifest = _judge(tok, fam, tmp_path, records)
+    assert sum(manifest["conventions"]["P"]["support"].values()) == 1  # the tool call's own: no 'stop' votes
+    assert rows["short-call"]["verdict"] == "mismatch" and not rows["short-call"]["train"]
+    # an SGLang chat answer with its own ids: stopped at <|im_end|> it is proven; at the stop string not
+    tok2, fam2 = k2
+    msgs = [{"role": "user", "content": "Count to 3"}]
+    pids = prompt_ids(tok2, msgs)
+    eot = tok2.special_id(fam2.end_of_turn)
+    engine = []
+    for rid, text, stopped in (("eot", "1, 2, 3.", True), ("eot2", "One two three.", True),
+                               ("stop-string", "1, 2, 3.\n\n", False)):
+        ids = tok2.encode_plain(text) + ([eot] if stopped else [])
+        body = {"id": rid, "object": "chat.completion", "choices": [{"index": 0, "finish_reason": "stop",
+                "matched_stop": eot if stopped else "\n\n", "message": {"role": "assistant", "content": text.rstrip("\n")}}],
+                "usage": {"prompt_tokens": len(pids), "completion_tokens": len(ids)}}
+        engine.append({"id": rid, "backend": "sglang", "request": {"messages": msgs, "stop": ["\n\n"]}, "status": 200,
+                       "response_raw": json.dumps(body), "token_ids": ids, "prompt_token_ids": pids})
+    (tmp_path / "engine").mkdir()
+    rows, _ = _judge(tok2, fam2, tmp_path / "engine", engine)
+    assert rows["eot"]["verdict"] == rows["eot2"]["verdict"] == "exact" and rows["eot"]["train"]
+    assert rows["stop-string"]["verdict"] == "mismatch" and "stop_sequence_requested" in rows["stop-string"]["reasons"]

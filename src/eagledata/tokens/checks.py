@@ -129,7 +129,8 @@ def structural_codes(sample: Sample, tokenizer: Tokenizer, family: ModelFamily) 
             codes.append("truncated")
         elif p.finish_reason not in STOP_REASONS:
             codes.append("finish_unproven")
-        elif p.finish_reason == "stop" and _stop_sequences(sample.request) and "ground_truth_ids" not in rc.flags:
+        elif p.finish_reason == "stop" and _stop_sequences(sample.request) \
+                and not ("ground_truth_ids" in rc.flags and rc.stopped):  # an engine's ids ending in end-of-turn prove it
             codes.append("stop_sequence_requested")
         if not (p.reasoning or p.content or p.tool_calls):
             codes.append("empty_response")
@@ -143,8 +144,10 @@ def structural_codes(sample: Sample, tokenizer: Tokenizer, family: ModelFamily) 
 
 def _stop_sequences(request: Mapping[str, Any]) -> bool:
     """Whether a request body asked for stop sequences (``stop``, as OpenAI's and OpenRouter's APIs
-    name it; ``stop_sequences``, as some providers do)."""
-    return any(request.get(k) for k in ("stop", "stop_sequences"))
+    name it; ``stop_sequences``, as some providers do; SGLang's native ``sampling_params.stop``)."""
+    sampling = request.get("sampling_params")
+    bodies = [request, sampling] if isinstance(sampling, Mapping) else [request]
+    return any(b.get(k) for b in bodies for k in ("stop", "stop_sequences"))
 
 
 _FAMILY_IDS: dict[tuple[str, str], tuple[int, ...]] = {}
@@ -268,7 +271,8 @@ def count_vote(s: SampleStats) -> str | None:
     """The convention this sample's billed completion count agrees under, when the sample can tell
     them apart (it ends in end-of-turn, is billed, has no error): its one vote in its group's
     support. The two conventions differ by one token, so a count agrees under one at most."""
-    if not s.has_eot or s.billed_completion is None or any(REASONS[k][0] == "error" for k in s.codes):
+    if not s.has_eot or s.billed_completion is None or any(REASONS[k][0] == "error" for k in s.codes) \
+            or "stop_sequence_requested" in s.codes:  # its end-of-turn may stand for a trimmed stop string
         return None
     return next((conv for conv in CONVENTIONS if s.completion_diff(conv) == 0), None)
 

@@ -25,7 +25,7 @@ from eagledata.tokens.checks import (EXCLUDES_EOT, COUNTS_EOT, REASONS, SampleSt
                                      convention_for)
 from eagledata.tokens.learning import JSON_TOOLS, MIN_VARIANT_SAMPLES, diff_under, variant_name
 
-SUMMARY_VERSION = 1
+SUMMARY_VERSION = 2  # 2: a sample whose end may be a trimmed stop string casts no count-convention vote
 _RENDERINGS = ("canonical", JSON_TOOLS)
 
 
