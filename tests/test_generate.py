@@ -84,6 +84,8 @@ def test_read_prompts_ids_and_blank_lines(tmp_path):
      ":1:tools[0].function.name"),
     (['{"message": [{"role": "user", "content": "x"}]}'], ":1:message"),
     (['[1, 2]'], ":1"),
+    (['{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f", '
+      '"parameters": ' + "[" * 990 + "]" * 990 + "}}]}"], ":1:(line): nested too deeply"),
     (['{"messages": [{"role": "user", "content": "x \\ud800 y"}]}'], ":1:messages[0].content: a string holds a lone surrogate"),
     (['{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f", '
       '"parameters": {"type": "object", "properties": {"a": {"type": "number", "maximum": NaN}}}}}]}'],
@@ -323,9 +325,13 @@ def test_a_key_read_with_its_line_break_is_sent_trimmed_and_never_written(setup,
     monkeypatch.setenv("OPENROUTER_API_KEY", key[:8] + " " + key[8:])
     sent = len(sim.authorizations)
     cfg["generation"]["max_tokens"] = 301  # other requests: nothing cached applies
-    with pytest.raises(GenerationError, match="whitespace or a control character") as err:
+    with pytest.raises(GenerationError, match="whitespace, a control character or a non-ASCII character") as err:
         generate_dataset(cfg, "d", tmp_path / "results" / "d" / "responses.jsonl", log=quiet)
     assert key[8:] not in str(err.value) and len(sim.authorizations) == sent
+    monkeypatch.setenv("OPENROUTER_API_KEY", key + "\u00e9")  # httpx would refuse it, quoting a character
+    with pytest.raises(GenerationError, match="non-ASCII"):
+        generate_dataset(cfg, "d", tmp_path / "results" / "d" / "responses.jsonl", log=quiet)
+    assert len(sim.authorizations) == sent
     quoted = _describe(httpx.LocalProtocolError(f"Illegal header value b'Bearer {key}\\n'"))
     assert key not in quoted and "Bearer [redacted]" in quoted
 

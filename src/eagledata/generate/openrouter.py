@@ -22,14 +22,14 @@ FINAL_STATUSES_FATAL = {401: "the API key was rejected (401): check OPENROUTER_A
 def api_key(who: str) -> str:
     """The key in ``OPENROUTER_API_KEY``, without the surrounding whitespace a secret file's trailing
     line break brings. A :class:`GenerationError` (naming ``who`` and never the key) when it is unset,
-    or holds whitespace or a control character inside: an HTTP client refuses such a header with an
+    or holds whitespace, a control character or a non-ASCII character inside: an HTTP client refuses such a header with an
     error that quotes it, which would carry the key into logs and files."""
     key = (os.environ.get(API_KEY_ENV) or "").strip()
     if not key:
         raise GenerationError(f"{who}: set {API_KEY_ENV} in the environment")
-    if any(c.isspace() or not c.isprintable() for c in key):
-        raise GenerationError(f"{who}: {API_KEY_ENV} holds whitespace or a control character inside it: "
-                              "set it to the key alone (it is not shown here)")
+    if any(c.isspace() or not c.isprintable() or not c.isascii() for c in key):
+        raise GenerationError(f"{who}: {API_KEY_ENV} holds whitespace, a control character or a non-ASCII "
+                              "character: set it to the key alone (it is not shown here)")
     return key
 
 

@@ -132,7 +132,10 @@ def parse_prompt_line(obj: Any, where: str, lineno: int) -> Prompt:
     """Validate one decoded line; ``where`` is ``file:line`` for messages."""
     if not isinstance(obj, dict):
         raise PromptFileError(f"{where}: a line must be a JSON object, got {type(obj).__name__}")
-    unsendable = _unsendable(obj, "")
+    try:
+        unsendable = _unsendable(obj, "")
+    except RecursionError:
+        raise PromptFileError(f"{where}:(line): nested too deeply") from None
     if unsendable is not None:
         raise PromptFileError(f"{where}:{unsendable[0]}: {unsendable[1]}")
     unknown = sorted(set(obj) - PROMPT_KEYS)
