@@ -87,6 +87,11 @@ def test_http_error_and_malformed_bodies():
     assert parse_response('{"id": "gen', 200).error.where == "malformed"
     assert parse_response("data: {not json}\n\n", 200).error.where == "malformed"
     assert parse_response("[1, 2]", 200).error.where == "malformed"
+    # a message whose content or reasoning is not text (content parts, a number) is malformed, not a crash
+    for message in ({"content": [{"type": "text", "text": "hi"}]}, {"content": "ok", "reasoning": 5}):
+        body = {"choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", **message}}]}
+        p = parse_response(json.dumps(body), 200)
+        assert p.error.where == "malformed" and "not text" in p.error.message and p.content is None
 
 
 def test_every_recorded_body_parses(recorded):

@@ -135,6 +135,11 @@ def _parse_json(raw: str) -> ParsedResponse:
     out.reasoning = msg.get("reasoning")
     if out.reasoning is None:
         out.reasoning = msg.get("reasoning_content") or _reasoning_from_details(msg.get("reasoning_details"))
+    for name, value in (("content", out.content), ("reasoning", out.reasoning)):
+        if value is not None and not isinstance(value, str):  # content parts, a number...: no text to encode
+            out.content = out.reasoning = None
+            out.error = ResponseError("malformed", f"message.{name} is a {type(value).__name__}, not text", "malformed")
+            return out
     for i, tc in enumerate(msg.get("tool_calls") or []):
         fn = tc.get("function") or {}
         args = fn.get("arguments")
