@@ -1,11 +1,12 @@
 # Helpers shared by every stage: resolved settings, paths, input functions.
 import hashlib
-import json
 import re
 from pathlib import Path
 
 from eagledata.codeinputs import package_dir_for, stage_code
 from eagledata.config import dataset_settings, validate_config
+from eagledata.generate.prompts import canonical
+from eagledata.generate.requests import TOKENIZER_IDENTITY
 from eagledata.generate.ruleinputs import GenerateRuleInputs
 from eagledata.tokens.planfile import plan_keys, plan_processes
 from eagledata.tokens.policy import validation_setting
@@ -92,15 +93,9 @@ def tokenizer_settings(wildcards):
     its family, with the config's definition of that family. A stage stamp's params and written into
     it, so a change reruns the per-shard jobs that declare the stamp."""
     model = config["models"][config["datasets"][wildcards.dataset]["model"]]
-    keys = ("tokenizer", "tokenizer_revision", "tokenizer_kind", "trust_remote_code", "chat_template", "family")
+    keys = (*TOKENIZER_IDENTITY, "chat_template", "family")
     return canonical({**{k: model.get(k) for k in keys},
                       "family_definition": (config.get("families") or {}).get(model["family"])})
-
-
-def canonical(value):
-    """``value`` with every mapping's keys sorted: Snakemake compares params as written out, so a
-    config whose keys were reordered (by hand, or by a YAML dump) would otherwise rerun the rule."""
-    return json.loads(json.dumps(value, sort_keys=True))
 
 
 STAGE_STAMPS = {}  # stage stamp name -> the code stamps it covers

@@ -45,12 +45,12 @@ def dataset_option(config: Mapping[str, Any], dataset: str, key: str) -> Any:
 def earlier_datasets(config: Mapping[str, Any], dataset: str) -> list[str]:
     """The datasets whose prompts this one is deduplicated against (see the module docstring)."""
     names = list(config["datasets"])
-    mine = config["datasets"][dataset]
+    mine, requests = config["datasets"][dataset], _requests_of(config, dataset)
     out = []
     for name in names[: names.index(dataset)]:
         ds = config["datasets"][name]
         if ds.get("prompts") and not ds.get("responses") and ds.get("model") == mine.get("model") \
-                and _requests_of(config, name) == _requests_of(config, dataset):
+                and _requests_of(config, name) == requests:
             out.append(name)
     return out
 

@@ -41,6 +41,13 @@ def canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
+def canonical(value: Any) -> Any:
+    """``value`` with every mapping's keys sorted (a JSON value): for what is compared as written out,
+    as Snakemake compares a rule's params, so a config whose keys were reordered (by hand, or by a
+    YAML dump) changes nothing."""
+    return json.loads(canonical_json(value))
+
+
 #: Hex sha256 of a text's UTF-8 bytes (:func:`eagledata.io.sha256_text`; this name is kept for the stand-in).
 sha256_hex = sha256_text
 

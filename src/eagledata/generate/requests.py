@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping
 from eagledata.config import DatasetSettings, dataset_settings, load_model_tokenizer
 from eagledata.generate.dedup import dataset_option, dedup_prompts
 from eagledata.generate.errors import GenerationError
-from eagledata.generate.prompts import Prompt, canonical_json, read_prompts
+from eagledata.generate.prompts import Prompt, canonical, canonical_json, read_prompts
 from eagledata.io import sha256_text
 
 DEFAULT_API_BASE = "https://openrouter.ai/api/v1"
@@ -136,12 +136,10 @@ def request_params(settings: DatasetSettings, config: Mapping[str, Any]) -> dict
     if tokenizer_shapes_responses(settings):
         # its files are the rule's inputs; a hub id has none, so its name and pinned revision are here
         params["tokenizer"] = {k: settings.model.get(k) for k in TOKENIZER_IDENTITY}
-    # Snakemake compares params as written out, so a mapping's key order would count: keys sorted, a
-    # config whose keys were reordered (by hand, or by a YAML dump) reruns nothing
-    return json.loads(json.dumps(params, sort_keys=True))
+    return canonical(params)  # Snakemake compares params as written out: key order must not count
 
 
-#: What names a model's tokenizer beyond its files (rules/common.smk's tokenizer settings hold these too).
+#: What names a model's tokenizer beyond its files (also in rules/common.smk's tokenizer settings).
 TOKENIZER_IDENTITY = ("tokenizer", "tokenizer_revision", "tokenizer_kind", "trust_remote_code")
 
 
