@@ -154,3 +154,29 @@ def test_every_recorded_response_reconstructs(k2, recorded):
     assert by_provider["SiliconFlow"] == Counter({1: 24})
     exact_or_eot = sum(n for c in by_provider.values() for d, n in c.items() if d in (0, 1))
     assert exact_or_eot / len(recorded) > 0.85
+
+
+def _all_code_points_in_pieces(size: int = 4096):
+    points = [c for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF]
+    for i in range(0, len(points), size):
+        yield "".join(map(chr, points[i:i + size]))
+
+
+def test_segments_json_is_the_standard_librarys_spelling_for_every_code_point():
+    """The part's ``segments`` column is written by segments_json; its bytes must stay those of
+    json.dumps(..., ensure_ascii=False), or every stored shard (and the hidden states extracted from
+    it) would be rebuilt on upgrade."""
+    from eagledata.tokens.reconstruct import Segment, segments_json
+
+    for text in _all_code_points_in_pieces():
+        segs = [Segment("think_open", 0, 1), Segment("reasoning", 1, 9, text), Segment("tool_arguments", 9, 12, text[:40], 2),
+                Segment("end_of_turn", 12, 13, None, None)]
+        assert segments_json(segs) == json.dumps([s.to_dict() for s in segs], ensure_ascii=False)
+    assert segments_json([]) == "[]"
+
+
+def test_segments_json_falls_back_to_the_standard_library_for_a_lone_surrogate():
+    from eagledata.tokens.reconstruct import Segment, segments_json
+
+    segs = [Segment("content", 0, 2, "a\ud800b")]
+    assert segments_json(segs) == json.dumps([s.to_dict() for s in segs], ensure_ascii=False)

@@ -66,6 +66,8 @@ from eagledata.tokens import summaries
 from eagledata.tokens.planfile import plan_keys, read_plan
 from eagledata.tokens.checks import SampleStats, repairable
 from eagledata.tokens.policy import resolve_policy
+from eagledata.tokens.responses import ParsedResponse
+from eagledata.tokens.samples import parse_record
 from eagledata.tokens.shards import (PASS1_SCHEMA, MAX_SHARD_FACTOR, Judge, ResponsesFileError, checked_record, is_boundary_id,
                                      Learned, prune_shards, publish_shard, reconstruct_sample, transformations_seen, with_verdicts,
                                      shard_name)
@@ -278,19 +280,19 @@ def reconstruct_shard(slice_path: str | Path, where_path: str | Path, responses_
                       template: str | None = None) -> dict[str, Any]:
     """One shard's samples (its slice, see :func:`iter_slice`) -> its part and summary; returns the summary."""
     frames: list[pl.DataFrame] = []
-    columns: dict[str, list] = {name: [] for name in PART_SCHEMA}  # built column-wise: one Series each
     stats = []
-    for sid, rec in iter_slice(slice_path, where_path, responses_path):
-        st, row = reconstruct_sample(rec, sid, tokenizer, family, template)
-        row.update(has_eot=st.has_eot, codes=st.codes, has_tools=st.has_tools,
-                   prompt_alt=json.dumps(st.prompt_alt) if st.prompt_alt is not None else None)
-        for name, values in columns.items():
-            values.append(row[name])
-        stats.append(st)
-        if len(stats) % BATCH_ROWS == 0:
-            frames.append(pl.DataFrame(columns, schema=PART_SCHEMA))
-            columns = {name: [] for name in PART_SCHEMA}
-    frames.append(pl.DataFrame(columns, schema=PART_SCHEMA))
+    for batch in _parsed_batches(iter_slice(slice_path, where_path, responses_path)):
+        columns: dict[str, list] = {name: [] for name in PART_SCHEMA}  # built column-wise: one Series each
+        for sid, rec, parsed in batch:
+            st, row = reconstruct_sample(rec, sid, tokenizer, family, template, parsed)
+            row.update(has_eot=st.has_eot, codes=st.codes, has_tools=st.has_tools,
+                       prompt_alt=json.dumps(st.prompt_alt) if st.prompt_alt is not None else None)
+            for name, values in columns.items():
+                values.append(row[name])
+            stats.append(st)
+        frames.append(pl.DataFrame(columns, schema=PART_SCHEMA))
+    if not frames:
+        frames.append(pl.DataFrame({name: [] for name in PART_SCHEMA}, schema=PART_SCHEMA))
     # the tokenizer as loaded: the dataset job refuses to gather parts reconstructed with another
     summary = {**summaries.summarize(stats), "tokenizer_fingerprint": tokenizer.fingerprint}
     Path(part_path).parent.mkdir(parents=True, exist_ok=True)
@@ -299,6 +301,22 @@ def reconstruct_shard(slice_path: str | Path, where_path: str | Path, responses_
     Path(summary_path).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(summary_path, summary)
     return summary
+
+
+def _parsed_batches(records: Iterable[tuple[str, dict[str, Any]]]) -> Iterator[list[tuple[str, dict[str, Any], ParsedResponse]]]:
+    """``(id, record, parsed response)`` in batches of :data:`BATCH_ROWS`: a batch's bodies are all
+    parsed before any of its samples is encoded (each record kept without its body). Encoding one
+    sample's texts between two parses ran about a quarter slower than encoding a batch's in a row:
+    the parses evict what the tokenizer keeps warm in the CPU's caches."""
+    batch: list[tuple[str, dict[str, Any], ParsedResponse]] = []
+    for sid, rec in records:
+        parsed = parse_record(rec)
+        batch.append((sid, {k: v for k, v in rec.items() if k != "response_raw"}, parsed))
+        if len(batch) == BATCH_ROWS:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
 
 
 def part_stats(df: pl.DataFrame) -> list[SampleStats]:

@@ -19,10 +19,13 @@ Provider deviations handled here (each recorded as a flag, never silently):
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Mapping, Sequence
+
+import orjson
 
 from eagledata.text.families import ModelFamily
 from eagledata.tokens.responses import ParsedResponse, ToolCall
@@ -51,6 +54,28 @@ class Segment:
         if self.call is not None:
             d["call"] = self.call
         return d
+
+
+def segments_json(segments: Sequence[Segment]) -> str:
+    """``json.dumps([s.to_dict() for s in segments], ensure_ascii=False)``, byte for byte, about
+    five times faster: the segments' texts (most of a completion's characters) are escaped by
+    orjson, whose output for a string equals the standard library's without ASCII escaping (every
+    code point checked: tests/test_pershard_speed.py), and the rest is written out in the standard
+    library's spelling (``", "``, ``": "``). A text orjson refuses (a lone surrogate) falls back to
+    the standard library."""
+    try:
+        return "[" + ", ".join(_segment_json(s) for s in segments) + "]"
+    except TypeError:
+        return json.dumps([s.to_dict() for s in segments], ensure_ascii=False)
+
+
+def _segment_json(s: Segment) -> str:
+    out = f'{{"kind": {orjson.dumps(s.kind).decode()}, "start": {int(s.start)}, "end": {int(s.end)}'
+    if s.text is not None:
+        out += f', "text": {orjson.dumps(s.text).decode()}'
+    if s.call is not None:
+        out += f', "call": {int(s.call)}'
+    return out + "}"
 
 
 @dataclass

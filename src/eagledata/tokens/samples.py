@@ -38,21 +38,28 @@ def record_id(record: Mapping[str, Any], fallback: str | None) -> str | None:
     return str(rid) if rid is not None else fallback
 
 
+def parse_record(record: Mapping[str, Any]) -> ParsedResponse:
+    """The record's ``response_raw`` parsed under its ``status`` (:func:`parse_response`); a record
+    without a body text is a malformed response."""
+    raw = record.get("response_raw")
+    if not isinstance(raw, str):
+        return ParsedResponse(streamed=False, error=ResponseError("malformed", "record has no response_raw text", "malformed"))
+    return parse_response(raw, int(record.get("status") or 0))
+
+
 def tokenize_record(
     record: Mapping[str, Any],
     tokenizer: Tokenizer,
     family: ModelFamily,
     sample_id: str,
     template: str | None = None,
+    parsed: ParsedResponse | None = None,
 ) -> Sample:
-    """Prompt ids from the chat template, completion ids from the exact response body."""
+    """Prompt ids from the chat template, completion ids from the exact response body (``parsed``:
+    that body as :func:`parse_record` parsed it, when the caller did already)."""
     request = record.get("request") or {}
-    status = int(record.get("status") or 0)
-    raw = record.get("response_raw")
-    if not isinstance(raw, str):
-        parsed = ParsedResponse(streamed=False, error=ResponseError("malformed", "record has no response_raw text", "malformed"))
-    else:
-        parsed = parse_response(raw, status)
+    if parsed is None:
+        parsed = parse_record(record)
     messages = request.get("messages") or []
     thinking = request_thinking(request)
     prompt_error = None

@@ -68,10 +68,12 @@ from eagledata.tokens.learning import learn_prompt_variants, learn_reasoning_rel
 from eagledata.tokens.policy import Policy, resolve_policy
 from eagledata.tokens.repairs import (WHITESPACE_CONTENT, WHITESPACE_REASONING, RepairResult, applicable_transforms,
                       parsed_from_segments, search_repairs)
+from eagledata.tokens.reconstruct import segments_json
 from eagledata.errors import InputError
 from eagledata.text.families import ModelFamily
 from eagledata.io import (ResponsesFileError, atomic_write_json, iter_json_lines, link_file, open_lines,
                           normalize_response_line, replace_unless_same, sha256_file)
+from eagledata.tokens.responses import ParsedResponse
 from eagledata.tokens.samples import alternative_prompt_lengths, record_id, tokenize_record
 from eagledata.text.tokenizer import Tokenizer
 
@@ -294,8 +296,9 @@ def _write_shards(scratch: Path, parts: list[str], store: Path, stats: list[Samp
 
 
 def reconstruct_sample(rec: dict[str, Any], sid: str, tokenizer: Tokenizer, family: ModelFamily,
-                 template: str | None) -> tuple[SampleStats, dict[str, Any]]:
-    sample = tokenize_record(rec, tokenizer, family, sid, template)
+                      template: str | None, parsed: ParsedResponse | None = None) -> tuple[SampleStats, dict[str, Any]]:
+    """One record's stats and part row (``parsed``: its response, when parsed already)."""
+    sample = tokenize_record(rec, tokenizer, family, sid, template, parsed)
     st = sample_stats(sample, tokenizer, family)
     if st.prompt_diff and st.has_tools:
         st.prompt_alt = alternative_prompt_lengths(sample, tokenizer, template)
@@ -306,7 +309,7 @@ def reconstruct_sample(rec: dict[str, Any], sid: str, tokenizer: Tokenizer, fami
         "prompt_len": st.prompt_len, "completion_len": st.completion_len, "reasoning_len": st.reasoning_len,
         "billed_prompt": st.billed_prompt, "billed_completion": st.billed_completion,
         "billed_reasoning": st.billed_reasoning, "flags": sample.completion.flags,
-        "segments": json.dumps([s.to_dict() for s in sample.completion.segments], ensure_ascii=False),
+        "segments": segments_json(sample.completion.segments),
         "tool_id_rewrites": json.dumps(sample.completion.tool_id_rewrites, ensure_ascii=False),
         "cost": p.cost,
     }
@@ -359,7 +362,7 @@ def _repaired_columns(df: pl.DataFrame, repaired: Mapping[int, tuple[SampleStats
     values = {name: df[name].to_list() for name in _REPAIRABLE_COLUMNS}
     for row, (st, rc) in repaired.items():
         values["input_ids"][row] = values["input_ids"][row][: st.prompt_len] + rc.ids
-        values["segments"][row] = json.dumps([seg.to_dict() for seg in rc.segments], ensure_ascii=False)
+        values["segments"][row] = segments_json(rc.segments)
         values["completion_len"][row], values["reasoning_len"][row] = len(rc.ids), rc.reasoning_tokens
     return [pl.Series(name, values[name], dtype=dtype) for name, dtype in _REPAIRABLE_COLUMNS.items()]
 
