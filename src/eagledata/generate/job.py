@@ -6,7 +6,9 @@ one dataset's job in these steps, each in a module of its own:
 1. **Work** (:mod:`~eagledata.generate.requests`): every sample's exact request body and cache key.
 2. **Cache** (:mod:`~eagledata.generate.cache`): one job at a time writes a dataset's cache (an
    ``flock``, :mod:`~eagledata.generate.cachelock`); answers rescued by an earlier job whose disk was
-   full are imported first; only samples not cached are requested.
+   full are imported first; answers other datasets' caches hold for the same requests are carried
+   over (:mod:`~eagledata.generate.carryover`: a renamed dataset pays nothing again); only samples
+   not cached are requested.
 3. **Preflight** (:mod:`~eagledata.generate.preflight`): before the first paid request, what a later
    stage would otherwise find only after paying (tokenizer, every prompt renders, weights, disk room).
 4. **Ledger** (:mod:`~eagledata.generate.budget`): the reservations of dead processes are recovered, and
@@ -48,6 +50,7 @@ from eagledata.generate.budget import BudgetLedger, LedgerSession, ledger_path
 from eagledata.generate.cache import ResponseCache, import_rescued_answers, keep_paid_answers, write_jsonl_atomic
 from eagledata.generate.dedup import dataset_option
 from eagledata.generate.cachelock import CacheLockTimeout, acquire_writer_lock, lock_wait_s
+from eagledata.generate.carryover import carry_over
 from eagledata.generate.errors import GenerationError, Interrupted, JobStopped
 from eagledata.generate.openrouter import auth_headers, key_usage, reconcile_generations
 from eagledata.generate.plan import Price, PromptEstimator, load_estimator, price_bound
@@ -63,8 +66,9 @@ from eagledata.io import atomic_write_json
 #: Fields of every record of ``results/{dataset}/responses.jsonl``.
 RECORD_FIELDS = ("id", "prompt_id", "sample_index", "request", "status", "response_raw", "url", "cache_key",
                  "backend", "started_at", "elapsed_s", "attempts", "generation_id", "token_ids")
-#: Fields present only where they apply (SGLang backend; native endpoint; ``turns: all``).
-OPTIONAL_FIELDS = ("prompt_token_ids", "token_ids_info", "chat_request", "conversation", "turn")
+#: Fields present only where they apply (SGLang backend; native endpoint; ``turns: all``; an answer
+#: carried over from another dataset's cache, :mod:`eagledata.generate.carryover`).
+OPTIONAL_FIELDS = ("prompt_token_ids", "token_ids_info", "chat_request", "conversation", "turn", "carried_from")
 
 
 @dataclass
@@ -88,6 +92,7 @@ class Run:
     planner: TurnPlanner | None = None  # turns: all
     turn_state: TurnState | None = None
     rounds: int = 0
+    carried: dict[str, int] = field(default_factory=dict)  # answers carried over, per dataset they came from
 
 
 def never_failing(log: Log) -> Log:
@@ -152,10 +157,34 @@ def open_cache(run: Run) -> None:
     for it in run.work.items:
         if it.cache_key not in index:
             run.todo.setdefault(it.cache_key, it)
+    carry_answers(run)
     run.n_cached = sum(1 for it in run.work.items if it.cache_key in index)
     s = run.settings
     run.log(f"generate {run.dataset}: {len(run.work.prompts)} prompts, {len(run.work.items)} samples; {run.n_cached} "
             f"cached in {cache.path}, {len(run.todo)} to request ({s.backend}, model {s.api_model})")
+
+
+def carry_answers(run: Run) -> None:
+    """Take the answers other datasets' caches hold for samples to request
+    (:mod:`eagledata.generate.carryover`; ``dedup`` datasets only) into this dataset's cache, and
+    request only the rest. ``turns: all``: each carried turn may make the conversation's next turn
+    known, so the conversations are followed again until nothing more is carried."""
+    cache = run.cache
+    assert cache is not None
+    if not run.todo or not dataset_option(run.config, run.dataset, "dedup"):
+        return
+    while run.todo:
+        got = carry_over(cache, list(run.todo), run.config["cache_dir"], run.dataset)
+        if not got:
+            break
+        for name, n in got.items():
+            run.carried[name] = run.carried.get(name, 0) + n
+            run.log(f"generate {run.dataset}: {n} answer(s) carried over from the cache of dataset {name!r} "
+                    "(the same requests, paid once), not requested again")
+        run.todo = {k: it for k, it in run.todo.items() if k not in cache.index}
+        if run.planner is None:
+            break
+        advance_turns(run)
 
 
 def advance_turns(run: Run) -> dict[str, WorkItem]:
@@ -324,7 +353,8 @@ def summarize(run: Run, output_path: str | Path, elapsed: float) -> dict[str, An
     job, s, n_todo = run.job, run.settings, len(run.todo)
     assert run.cache is not None
     summary: dict[str, Any] = {"dataset": run.dataset, "backend": s.backend, "model": s.api_model,
-                               "samples": len(run.work.items), "cached": run.n_cached, "requested": n_todo}
+                               "samples": len(run.work.items), "cached": run.n_cached, "requested": n_todo,
+                               "carried_over": dict(run.carried)}
     summary.update({
         "http_requests": job.http_requests if job else 0, "ok": job.progress.ok if job else 0,
         "errors": ([{**e, "final": True} for e in job.final_errors]

@@ -14,7 +14,9 @@ there are any) and worst case (the budget reservation); plus the ledger's spend 
 With ``turns: all`` the plan counts turns, not records: ``samples`` is every user turn of every
 conversation (:func:`eagledata.generate.conversation.user_turns` x ``samples_per_prompt``),
 ``cached`` the turns answered in the cache (followed conversation by conversation, as the job
-does), ``to_request`` the turns left of the conversations not ended. A later turn's prompt holds the
+does), ``to_request`` the turns left of the conversations not ended. ``cached`` counts the answers
+the job will carry over from other datasets' caches (:mod:`eagledata.generate.carryover`) too; with
+``turns: all`` only once the job has carried them (the plan then errs on the side of cost). A later turn's prompt holds the
 model's earlier replies, not known before they are generated, so its estimate is the record's own
 messages up to that turn (system, user and tool messages; the original assistant replies left out)
 and its worst case adds :data:`HISTORY_TOKENS_PER_TURN` per earlier turn: ``max_tokens`` (the
@@ -37,7 +39,9 @@ from typing import Any, Mapping
 from eagledata.config import DatasetSettings, dataset_settings
 from eagledata.generate.budget import BudgetLedger, ledger_path
 from eagledata.generate.cache import ResponseCache
+from eagledata.generate.carryover import carried_records
 from eagledata.generate.prompts import canonical_json
+from eagledata.generate.dedup import dataset_option
 from eagledata.generate.requests import dataset_work
 from eagledata.generate.tokenizers import cached_model_tokenizer, tokenizer_problem, workflow_built
 
@@ -143,12 +147,17 @@ def plan_dataset(config: Mapping[str, Any], name: str, estimator: PromptEstimato
         samples, cached, n, prompt_est, prompt_upper, turns = _turns_plan(work, cache, estimator, max_tokens)
     else:
         todo = {it.cache_key: it for it in work.items if it.cache_key not in index}
+        carried: set[str] = set()
+        if todo and dataset_option(config, name, "dedup"):
+            carried = {rec["cache_key"] for _, rec in carried_records(todo, config["cache_dir"], name)}
+            todo = {k: it for k, it in todo.items() if k not in carried}
         prompt_est = prompt_upper = 0
         for it in todo.values():
             est, upper = estimator.count(it.chat_request.get("messages"), it.chat_request.get("tools"), it.chat_request.get("reasoning"))
             prompt_est += est
             prompt_upper += upper
-        samples, cached, n, turns = len(work.items), sum(1 for it in work.items if it.cache_key in index), len(todo), None
+        cached = sum(1 for it in work.items if it.cache_key in index or it.cache_key in carried)
+        samples, n, turns = len(work.items), len(todo), None
     mean = _mean_completion_tokens(cache.path, index) if index and n else None
     return {"dataset": name, "backend": s.backend, "model": s.api_model, "samples": samples,
             "cached": cached, "to_request": n, **({"turns": turns} if turns else {}),

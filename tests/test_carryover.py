@@ -1,0 +1,119 @@
+"""Answers carried over between datasets' caches (eagledata.generate.carryover): a renamed dataset,
+generated against the stand-in on loopback, sends no request and pays nothing again."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eagledata.generate.carryover import carried_answers
+from eagledata.generate.job import generate_dataset
+from eagledata.generate.plan import plan_dataset
+from eagledata.standin.server import SimulatorServer
+from gen_helpers import API_KEY, cache_lines, ledger_rows, make_config, quiet, read_jsonl, write_prompts
+
+K1, K2, K3 = "1" * 64, "2" * 64, "3" * 64
+
+
+def test_only_a_complete_status_200_line_of_a_wanted_top_level_key_is_carried(tmp_path):
+    path = tmp_path / "responses.jsonl"
+    lines = [
+        # a nested object with a wanted key's spelling: the record's own key is another
+        {"cache_key": K3, "status": 200, "request": {"metadata": {"cache_key": K1}}, "response_raw": "{}"},
+        # a text holding the spelling: escaped inside the string, never a candidate
+        {"cache_key": K3, "status": 200, "request": {"note": f'"cache_key": "{K1}"'}, "response_raw": "{}"},
+        {"cache_key": K2, "status": 400, "response_raw": "{\"error\": {}}"},
+        {"cache_key": K1, "status": 200, "response_raw": "first"},
+        {"cache_key": K1, "status": 200, "response_raw": "second"},
+    ]
+    torn = json.dumps({"cache_key": K2, "status": 200, "response_raw": "torn"})
+    path.write_bytes(("".join(json.dumps(r) + "\n" for r in lines) + torn).encode())
+    got = list(carried_answers(path, {K1, K2}))
+    assert [(r["cache_key"], r["response_raw"]) for r in got] == [(K1, "first")]
+
+
+@pytest.fixture
+def standin(tmp_path, k25, monkeypatch):
+    monkeypatch.setenv("OPENROUTER_API_KEY", API_KEY)
+    tok, fam = k25
+    sims: list[SimulatorServer] = []
+
+    def start(faults=None):
+        sims.append(SimulatorServer(tok, fam, seed=2, faults=faults).start())
+        return sims[-1]
+
+    yield start
+    for s in sims:
+        s.stop()
+
+
+def renamed(cfg: dict, old: str, new: str, **options) -> dict:
+    out = json.loads(json.dumps(cfg))
+    out["datasets"] = {new: {**out["datasets"].pop(old), **options}}
+    return out
+
+
+def test_a_renamed_dataset_carries_the_paid_answers_over_and_sends_nothing(standin, tmp_path, k25):
+    sim = standin()
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 8)
+    cfg = make_config(tmp_path, prompts, str(k25[0].source), api_base=sim.base_url)
+    first = generate_dataset(cfg, "d", tmp_path / "results/d/responses.jsonl", log=quiet)
+    assert first["requested"] == 8 and sim.requests_total == 8
+    paid = {r["cache_key"]: r for r in read_jsonl(tmp_path / "results/d/responses.jsonl")}
+    reservations = len(ledger_rows(tmp_path))
+
+    cfg2 = renamed(cfg, "d", "d_v2")
+    assert plan_dataset(cfg2, "d_v2")["to_request"] == 0  # the dry run knows it too
+    logs: list[str] = []
+    summary = generate_dataset(cfg2, "d_v2", tmp_path / "results/d_v2/responses.jsonl", log=logs.append)
+    assert sim.requests_total == 8 and summary["http_requests"] == 0 and summary["requested"] == 0
+    assert summary["carried_over"] == {"d": 8} and summary["cached"] == 8
+    assert len(ledger_rows(tmp_path)) == reservations  # nothing reserved, nothing paid
+    assert any("8 answer(s) carried over from the cache of dataset 'd'" in m for m in logs)
+    out = read_jsonl(tmp_path / "results/d_v2/responses.jsonl")
+    assert [r["id"] for r in out] == [f"q{i:03d}" for i in range(8)]
+    for r in out:  # the exact bodies received, with where they came from
+        assert r["carried_from"] == "d"
+        assert (r["request"], r["response_raw"], r["status"]) == (paid[r["cache_key"]]["request"],
+                                                                  paid[r["cache_key"]]["response_raw"], 200)
+    assert all("ledger_ref" not in r and r["carried_from"] == "d" for r in cache_lines(tmp_path, "d_v2"))
+    # once carried they are the new dataset's own: a rerun carries nothing and sends nothing
+    again = generate_dataset(cfg2, "d_v2", tmp_path / "results/d_v2/responses.jsonl", log=quiet)
+    assert again["carried_over"] == {} and again["cached"] == 8 and sim.requests_total == 8
+
+
+def test_dedup_off_other_requests_and_final_errors_are_requested_again(standin, tmp_path, k25):
+    sim = standin(faults={1: "400"})  # the first request is answered with a final 400
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 4, tools_every=0)
+    cfg = make_config(tmp_path, prompts, str(k25[0].source), api_base=sim.base_url, concurrency=1)
+    assert generate_dataset(cfg, "d", tmp_path / "results/d/responses.jsonl", log=quiet)["final_errors"] == 1
+    assert sim.requests_total == 4
+    # a final 400 cost nothing and is asked again; the three answers are carried
+    s = generate_dataset(renamed(cfg, "d", "e"), "e", tmp_path / "results/e/responses.jsonl", log=quiet)
+    assert s["carried_over"] == {"d": 3} and s["requested"] == 1 and sim.requests_total == 5
+    # dedup: false asks for the dataset's own answers
+    s = generate_dataset(renamed(cfg, "d", "f", dedup=False), "f", tmp_path / "results/f/responses.jsonl", log=quiet)
+    assert s["carried_over"] == {} and s["requested"] == 4 and sim.requests_total == 9
+    # other output settings are other requests: nothing to carry
+    other = renamed(cfg, "d", "g")
+    other["generation"]["max_tokens"] = 64
+    s = generate_dataset(other, "g", tmp_path / "results/g/responses.jsonl", log=quiet)
+    assert s["carried_over"] == {} and s["requested"] == 4
+
+
+def test_turns_all_conversations_are_carried_turn_after_turn(tmp_path, k25):
+    convs = [{"id": "a", "messages": [{"role": "user", "content": "a: first?"}, {"role": "assistant", "content": "x"},
+                                      {"role": "user", "content": "a: second?"}, {"role": "assistant", "content": "y"},
+                                      {"role": "user", "content": "a: third?"}]},
+             {"id": "b", "messages": [{"role": "user", "content": "b: only?"}]}]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    cfg = make_config(tmp_path, prompts, str(k25[0].source), backend="simulator")
+    cfg["datasets"]["d"]["turns"] = "all"
+    first = generate_dataset(cfg, "d", tmp_path / "results/d/responses.jsonl", log=quiet)
+    assert first["requested"] == 4
+    s = generate_dataset(renamed(cfg, "d", "e"), "e", tmp_path / "results/e/responses.jsonl", log=quiet)
+    assert s["carried_over"] == {"d": 4} and s["requested"] == 0 and s["http_requests"] == 0
+    strip = ("carried_from", "started_at", "elapsed_s")
+    assert [{k: v for k, v in r.items() if k not in strip} for r in read_jsonl(tmp_path / "results/e/responses.jsonl")] == \
+        [{k: v for k, v in r.items() if k not in strip} for r in read_jsonl(tmp_path / "results/d/responses.jsonl")]
