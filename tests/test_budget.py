@@ -310,3 +310,69 @@ def test_close_settles_a_reservation_asked_ahead_that_is_granted_during_close(tm
     assert rows == [("settled", 0.0, "not sent: job ended")]
     assert led.totals()["d"] == {"spent": 0.0, "held": 0.0}
     led.close()
+
+
+class BilledFailureServer:
+    """An OpenRouter-shaped endpoint on loopback whose first answer to each prompt is an HTTP error
+    that reports a billed ``usage.cost``; later attempts succeed. ``billed``: what it charged."""
+
+    def __init__(self, status: int, cost: float = 0.05):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.billed, seen = 0.0, {}
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *_):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                n = seen[body["messages"][-1]["content"]] = seen.get(body["messages"][-1]["content"], 0) + 1
+                if n == 1:
+                    code, doc = status, {"error": {"code": status, "message": "provider failed after generating"},
+                                         "usage": {"prompt_tokens": 10, "completion_tokens": 200, "cost": cost}}
+                    outer.billed += cost
+                else:
+                    code, doc = 200, {"id": f"gen-{n}", "provider": "P", "model": "m", "choices": [
+                        {"index": 0, "message": {"role": "assistant", "content": "fine"}, "finish_reason": "stop"}],
+                        "usage": {"prompt_tokens": 10, "completion_tokens": 2, "cost": 0.001}}
+                    outer.billed += 0.001
+                data = json.dumps(doc).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.base_url = f"http://127.0.0.1:{self.server.server_port}/api/v1"
+
+
+def test_a_retried_http_error_that_reports_a_cost_is_counted_at_that_cost(tmp_path, k25, monkeypatch):
+    monkeypatch.setenv("OPENROUTER_API_KEY", API_KEY)
+    server = BilledFailureServer(502)
+    try:
+        cfg = make_config(tmp_path, write_prompts(tmp_path / "p.jsonl", 5, tools_every=0), k25[0].source,
+                          api_base=server.base_url)
+        cfg["budget_usd"] = 10.0
+        generate_dataset(cfg, "d", tmp_path / "out.jsonl", log=quiet)
+    finally:
+        server.server.shutdown()
+    totals = BudgetLedger(ledger_path(tmp_path / "cache")).totals()["d"]
+    assert totals["held"] == pytest.approx(0, abs=1e-12)
+    assert totals["spent"] == pytest.approx(server.billed) == pytest.approx(5 * 0.051)
+
+
+def test_key_usage_is_never_charged_to_a_stand_in_orphan(tmp_path):
+    ledger = BudgetLedger(tmp_path / "b.sqlite")
+    base = "https://openrouter.ai/api/v1"
+    ledger.add_key_snapshot(base, 5.0)
+    ledger.apply([Reserve("real", "paid", 0.5, 10, 1.0, {"backend": "openrouter", "api_base": base}),
+                  Reserve("sim", "rehearse", 0.5, 10, None, {"backend": "simulator", "api_base": None})], [])
+    ledger.apply([], [("orphan", "real", {"note": "timeout"}), ("orphan", "sim", {"note": "timeout"})])
+    out = ledger.reconcile_by_key_usage(base, 5.3)  # the key paid $0.30 for the lost paid answer
+    assert out["orphans"] == 1 and ledger.totals()["paid"]["spent"] == pytest.approx(0.3)
+    assert [o["ref"] for o in ledger.orphans()] == ["sim"]  # the stand-in's stays held until released

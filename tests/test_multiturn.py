@@ -222,3 +222,22 @@ def test_plan_counts_turns_and_bounds_the_growing_history(k25, tmp_path):
     generate_dataset(cfg, "d", tmp_path / "out.jsonl", log=quiet)
     after = plan_dataset(cfg, "d")
     assert (after["samples"], after["cached"], after["to_request"], after["cost_worst"]) == (5, 5, 0, 0)
+
+
+def test_each_sample_of_a_conversation_reserves_for_its_own_history(k25, tmp_path):
+    """With samples_per_prompt > 1 every sample's later turns hold its own earlier replies (the
+    stand-in answers each differently): each turn's reservation must bound its own prompt, or the
+    budget cap can be passed."""
+    import sqlite3
+
+    prompts = write(tmp_path / "p.jsonl", [conversation(f"c{i}", 3) for i in range(4)])
+    # a sampling seed in the body: the stand-in answers each sample of a prompt differently
+    cfg = multiturn_config(tmp_path, prompts, k25[0].source, max_tokens=300, samples_per_prompt=3, concurrency=1, seed=1)
+    cfg["models"]["m"]["price_per_mtok"] = {"prompt": 10.0, "completion": 0.0}  # any prompt overrun shows
+    generate_dataset(cfg, "d", tmp_path / "out.jsonl", log=quiet)
+    db = sqlite3.connect(str(tmp_path / "cache" / "budget.sqlite"))
+    rows = db.execute("SELECT item, reserved, cost FROM reservations WHERE state='settled'").fetchall()
+    db.close()
+    assert len(rows) == 4 * 3 * 3
+    assert len({round(r[2], 9) for r in rows if r[0].startswith("c0#") and r[0].endswith("#t2")}) > 1  # own histories
+    assert [r for r in rows if r[2] > r[1] + 1e-12] == []

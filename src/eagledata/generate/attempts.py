@@ -340,7 +340,7 @@ class GenerationJob:
         ans = interpret(self.work.settings.backend, self.native, resp.status, text)
         gid = gen.id or ans.generation_id
         if resp.status in FINAL_STATUSES_FATAL and self.work.settings.backend == "openrouter":
-            self.settle(ref, ans, gid, 0.0, note=f"HTTP {resp.status}")
+            self.settle(ref, ans, gid, ans.cost or 0.0, note=f"HTTP {resp.status}")
             return Outcome("fatal", f"{FINAL_STATUSES_FATAL[resp.status]}: {ans.problem}")
         if ans.ok or (resp.status != 200 and not retryable_status(resp.status)):
             return self.answered(item, resp.status, text, ans, gid, ref, attempt, started, t0)
@@ -394,10 +394,11 @@ class GenerationJob:
         return Outcome("ok" if ans.ok else "final", ans.problem, line=cache_line(rec, item.body_json, text), status=status)
 
     def retry_answer(self, resp: Response, ans: Answer, gid: str | None, ref: str | None) -> Outcome:
-        """A retryable answer (408/429/5xx, an error in a 200, a cut stream, a malformed body)."""
+        """A retryable answer (408/429/5xx, an error in a 200, a cut stream, a malformed body). An
+        HTTP error is settled at the cost it reports (a provider may bill one), else 0."""
         status = resp.status
         if status != 200:
-            self.settle(ref, ans, gid, 0.0, note=f"HTTP {status}")
+            self.settle(ref, ans, gid, ans.cost or 0.0, note=f"HTTP {status}")
             retry_after = retry_after_seconds(resp.headers.get("retry-after"))
             if status == 429 and retry_after:
                 self.gate.hold(retry_after)

@@ -384,8 +384,10 @@ class BudgetLedger:
         theirs)."""
         now = time.time()
         with self.transaction():
+            # orphans of requests sent with the key to ``api_base``: a stand-in's or SGLang's are not
             rows = self.db.execute("SELECT ref, reserved, created FROM reservations WHERE state='orphaned' AND "
-                                   "generation_id IS NULL AND (api_base=? OR api_base IS NULL)", (api_base,)).fetchall()
+                                   "generation_id IS NULL AND COALESCE(backend, 'openrouter')='openrouter' AND "
+                                   "(api_base=? OR api_base IS NULL)", (api_base,)).fetchall()
             if not rows:
                 return {"orphans": 0, "settled": 0}
             oldest = min(r[2] for r in rows)

@@ -265,10 +265,12 @@ def worst_cases(run: Run, price: Price, items: Mapping[str, WorkItem] | None = N
     reserve: dict[str, float] = {}
     per_prompt: dict[tuple[str, int | None], int] = {}
     for key, it in (run.todo if items is None else items).items():
-        if (it.prompt_id, it.turn) not in per_prompt:  # a conversation's turns have prompts of their own
+        # a later turn's prompt holds its own conversation's (sample's) replies: one estimate per conversation and turn
+        pk = (it.conversation or it.prompt_id, it.turn)
+        if pk not in per_prompt:
             req = it.chat_request
-            per_prompt[it.prompt_id, it.turn] = estimator.count(req.get("messages"), req.get("tools"), req.get("reasoning"))[1]
-        reserve[key] = price.cost(per_prompt[it.prompt_id, it.turn], max_tokens)
+            per_prompt[pk] = estimator.count(req.get("messages"), req.get("tools"), req.get("reasoning"))[1]
+        reserve[key] = price.cost(per_prompt[pk], max_tokens)
     if price.prompt == price.completion == 0 and run.settings.backend == "openrouter" and run.config.get("budget_usd") is not None:
         run.log(f"warning: {run.dataset}: price_per_mtok is 0, so reservations are $0 and budget_usd only counts settled "
                 "costs: set models.<name>.price_per_mtok (or generation.provider.max_price) for a hard cap")
