@@ -376,3 +376,100 @@ def test_key_usage_is_never_charged_to_a_stand_in_orphan(tmp_path):
     out = ledger.reconcile_by_key_usage(base, 5.3)  # the key paid $0.30 for the lost paid answer
     assert out["orphans"] == 1 and ledger.totals()["paid"]["spent"] == pytest.approx(0.3)
     assert [o["ref"] for o in ledger.orphans()] == ["sim"]  # the stand-in's stays held until released
+
+
+# a job on another machine sharing the cache dir (the SLURM profile) reserves, then its node dies
+OTHER_HOST_JOB = ("import os, sys; from eagledata.generate import budget as B; B.HOST = 'node-17/0000abcd/4026531836'; "
+                  "l = B.BudgetLedger(sys.argv[1]); "
+                  "[l.apply([B.Reserve(r, 'd', 0.3, 1.0, None, {'backend': 'openrouter'})], []) for r in ('x1', 'x2')]; "
+                  "os._exit(0)")
+
+
+def test_a_job_gone_with_another_machine_stops_a_waiting_request_then_can_be_orphaned_by_host(tmp_path, k25, capsys):
+    path = tmp_path / "cache" / "budget.sqlite"
+    path.parent.mkdir()
+    subprocess.run([sys.executable, "-c", OTHER_HOST_JOB, str(path)], check=True)
+    led = BudgetLedger(path)
+    assert led.recover("d", {}) == {"dead": 0, "recovered": 0}  # another host's pids cannot be checked here
+
+    async def wait_for_room() -> str:
+        session = LedgerSession(led, "d", 1.0, None, others_wait_s=0.6)
+        try:
+            await asyncio.wait_for(session.reserve(0.5), 20)
+            return "granted"
+        except BudgetExhausted as exc:
+            return str(exc)
+        finally:
+            await session.close()
+
+    message = asyncio.run(wait_for_room())  # before: polled every 0.25 s, for ever
+    assert "never settled" in message and "node-17/0000abcd/4026531836 pid" in message
+    assert "eagledata budget --orphan-host" in message
+    generate_cmd(make_config(tmp_path, write_prompts(tmp_path / "p.jsonl", 1), k25[0].source), tmp_path, name="c")
+    assert cli_main(["budget", "--config", str(tmp_path / "c.yaml"), "--orphan-host", "node-17"]) == 0
+    assert "orphaned 2 reservation(s) in flight on host node-17" in capsys.readouterr().out
+    assert sorted(r["ref"] for r in led.orphans()) == ["x1", "x2"]  # held until reconciled or released
+    assert led.release_orphans() == 2 and reserve(led, "r", 0.5).granted
+    led.close()
+
+
+def test_an_answer_arriving_after_its_reservation_was_reconciled_is_counted_at_its_cost(tmp_path):
+    led = BudgetLedger(tmp_path / "b.sqlite")
+    base = "https://openrouter.ai/api/v1"
+    led.add_key_snapshot(base, 10.0)
+    led.apply([Reserve("slow", "d", 0.3, 1.0, None, {"backend": "openrouter", "api_base": base})], [])
+    led.apply([], [("orphan", "slow", {"note": "looked lost"})])
+    led.reconcile_by_key_usage(base, 10.0)  # the key has not been billed yet: settled at $0
+    assert led.totals()["d"]["spent"] == 0
+    led.apply([], [("settle", "slow", {"cost": 0.25})])  # its answer, billed $0.25
+    assert led.totals()["d"] == {"spent": pytest.approx(0.25), "held": pytest.approx(0.0)}
+    cost, note = led.db.execute("SELECT cost, note FROM reservations WHERE ref='slow'").fetchone()
+    assert cost == pytest.approx(0.25) and "before its answer arrived" in note
+    led.apply([], [("settle", "slow", {"cost": 0.25})])  # said again: nothing changes
+    assert led.totals()["d"]["spent"] == pytest.approx(0.25)
+    led.close()
+
+
+LIVE_IN_OTHER_PID_NAMESPACE = r"""
+import os, sys, time
+from eagledata.generate import budget as B
+host_pids = set(map(int, os.environ["HOST_PIDS"].split(",")))
+while os.getpid() in host_pids:  # a pid the host namespace does not have
+    child = os.fork()
+    if child:
+        os.waitpid(child, 0)
+        os._exit(0)
+l = B.BudgetLedger(sys.argv[1])
+l.apply([B.Reserve("live", "d", 0.3, 1.0, None, {"backend": "openrouter"})], [])
+open(sys.argv[2], "w").write(str(os.getpid()))
+while not os.path.exists(sys.argv[3]):  # its request is in flight
+    time.sleep(0.05)
+l.apply([], [("settle", "live", {"cost": 0.25})])
+"""
+
+
+def test_a_live_job_in_another_pid_namespace_with_the_same_host_name_is_not_taken_for_dead(tmp_path):
+    """Containers sharing a host name: a pid of another PID namespace is not checked here."""
+    import os
+    import shutil
+    import time
+
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "--pid", "--fork", "true"]).returncode:
+        pytest.skip("cannot create a PID namespace here")
+    path = tmp_path / "b.sqlite"
+    led = BudgetLedger(path)
+    started, go = tmp_path / "started", tmp_path / "go"
+    pids = ",".join(p for p in os.listdir("/proc") if p.isdigit())
+    proc = subprocess.Popen(["unshare", "--pid", "--fork", sys.executable, "-c", LIVE_IN_OTHER_PID_NAMESPACE, str(path),
+                             str(started), str(go)], env={**os.environ, "HOST_PIDS": pids})
+    try:
+        t0 = time.monotonic()
+        while not started.exists():
+            assert proc.poll() is None and time.monotonic() - t0 < 30
+            time.sleep(0.05)
+        assert led.recover("other", {})["dead"] == 0 and led.orphans() == []
+    finally:
+        go.write_text("x")
+        proc.wait(30)
+    assert led.totals()["d"] == {"spent": pytest.approx(0.25), "held": pytest.approx(0.0)}
+    led.close()

@@ -122,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="settle orphaned reservations from OpenRouter (/generation, then /key usage); needs OPENROUTER_API_KEY")
     bu.add_argument("--release-orphans", action="store_true",
                     help="settle every orphaned reservation at $0 (after checking the provider's activity page)")
+    bu.add_argument("--orphan-host", metavar="HOST", action="append", default=[],
+                    help="orphan the reservations in flight of jobs on HOST (gone with its machine: its pids cannot "
+                         "be checked from here); first, before --reconcile and --release-orphans")
     bu.set_defaults(func=_lazy("eagledata.generate.budget", "cmd_budget"))
     for name, module, help_ in PASSTHROUGH:
         sp = sub.add_parser(name, help=help_, add_help=False)

@@ -40,8 +40,24 @@ from typing import Any, Callable, Iterable, Mapping
 from eagledata.errors import EagledataError
 
 EPS = 1e-12
-HOST = socket.gethostname()
+HOSTNAME = socket.gethostname()
 LEDGER_NAME = "budget.sqlite"
+
+
+def host_identity() -> str:
+    """Where this process's pid means something: the host name, its boot and its PID namespace
+    (``name/boot/pidns``). Two containers that share a host name, or a host rebooted since, are
+    other hosts: their pids cannot be checked from here."""
+    parts = [HOSTNAME]
+    try:
+        parts.append(Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8])
+        parts.append(os.readlink("/proc/self/ns/pid").removeprefix("pid:[").removesuffix("]"))
+    except OSError:
+        return HOSTNAME
+    return "/".join(parts)
+
+
+HOST = host_identity()
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS reservations (
@@ -84,6 +100,10 @@ HELD_STATES = ("reserved", "orphaned")
 # this share of each cap: near a cap, requests reserve one at a time, so parallel jobs share the rest
 # and none holds room it is not using yet.
 AHEAD_MAX_FILL = 0.5
+#: How long a request waits for budget that only other processes' requests in flight may free
+#: (:meth:`LedgerSession.reserve`): longer than any live request takes (the generate job passes its
+#: attempt timeout's worth more), short enough that a job that died on another host stops it.
+OTHERS_WAIT_S = 900.0
 CHECKPOINT_INTERVAL_S = 1.0  # a generation job checkpoints the WAL this often, off the event loop
 DEFAULT_WAL_AUTOCHECKPOINT = 1000  # SQLite's default (pages)
 
@@ -103,8 +123,11 @@ def ledger_path(cache_dir: str | Path) -> Path:
 
 
 def pid_alive(pid: int, host: str | None) -> bool:
-    """Whether a reservation's process may still be running (other hosts: assumed alive)."""
-    if host and host != HOST:
+    """Whether a reservation's process may still be running. Other hosts (:func:`host_identity`) are
+    assumed alive: their reservations are waited for (:class:`LedgerSession` for a while) and can be
+    orphaned by hand (``eagledata budget --orphan-host``). A row of the bare host name was written
+    before the identity named boot and namespace: checked here, as it was then."""
+    if host and host not in (HOST, HOSTNAME):
         return True
     try:
         os.kill(pid, 0)
@@ -131,6 +154,7 @@ class Decision:
     granted: bool
     reason: str = ""
     others_in_flight: int = 0  # live reservations of other processes (they may free budget)
+    others: str = ""  # those reservations by process: "host pid: n ($held)", for a message
 
 
 class BudgetLedger:
@@ -214,9 +238,19 @@ class BudgetLedger:
                                      "WHERE state='reserved' AND pid=? AND host=?", (time.time(), pid, host)).rowcount
         return n
 
-    def _others_in_flight(self) -> int:
-        return self.db.execute("SELECT COUNT(*) FROM reservations WHERE state='reserved' AND NOT (pid=? AND host=?)",
-                               (self.pid, HOST)).fetchone()[0]
+    def _others_in_flight(self) -> tuple[int, str]:
+        rows = self.db.execute("SELECT host, pid, COUNT(*), SUM(reserved) FROM reservations WHERE state='reserved' "
+                               "AND NOT (pid=? AND host=?) GROUP BY host, pid ORDER BY host, pid", (self.pid, HOST)).fetchall()
+        return sum(r[2] for r in rows), "; ".join(f"{h} pid {p}: {n} (${held:.4f})" for h, p, n, held in rows[:5])
+
+    def orphan_host(self, host: str) -> int:
+        """Orphan every reservation still in flight of processes on ``host`` (a host identity, or a
+        host name for all its boots and namespaces): for a job that died on another machine, whose
+        pids cannot be checked from here. They stay held until reconciled or released."""
+        with self.transaction():
+            return self.db.execute("UPDATE reservations SET state='orphaned', updated=?, note=COALESCE(note, ?) "
+                                   "WHERE state='reserved' AND (host=? OR host LIKE ?)",
+                                   (time.time(), "orphaned by hand: its host's job is gone", host, f"{host}/%")).rowcount
 
     # -- batched entry (one transaction) --------------------------------------------------------
     _SETTLE_SQL = ("UPDATE reservations SET state='settled', cost=?, updated=?, generation_id=COALESCE(?, generation_id), "
@@ -258,10 +292,11 @@ class BudgetLedger:
             rows: dict[str, list[Any]] = {}
             for i in range(0, len(refs), 500):
                 chunk = refs[i:i + 500]
-                q = f"SELECT ref, dataset, state, reserved FROM reservations WHERE ref IN ({','.join('?' * len(chunk))})"
+                q = f"SELECT ref, dataset, state, reserved, cost FROM reservations WHERE ref IN ({','.join('?' * len(chunk))})"
                 rows.update({r[0]: list(r[1:]) for r in self.db.execute(q, chunk)})
             delta: dict[str, list[float]] = {}  # dataset -> [spent, held]
-            settles, orphans, notes = [], [], []
+            settles, orphans, notes, corrections = [], [], [], []
+            settled_here: set[str] = set()
             for kind, ref, f in updates:
                 if kind == "note":
                     moot = ref in closing and closing[ref] == f.get("generation_id") and not f.get("note")
@@ -269,7 +304,17 @@ class BudgetLedger:
                         notes.append((now, f.get("generation_id"), f.get("note"), ref))
                     continue
                 row = rows.get(ref)
-                if row is None or row[1] == "settled":
+                if row is None:
+                    continue
+                if row[1] == "settled":
+                    # its own job's answer after another process settled it (a reconciliation or a
+                    # release of what looked like an orphan): the answer's cost is what was paid
+                    cost = float(f.get("cost") or 0.0)
+                    if kind == "settle" and ref not in settled_here and abs(cost - row[3]) > EPS:
+                        delta.setdefault(row[0], [0.0, 0.0])[0] += cost - row[3]
+                        corrections.append((cost, now, f"settled at ${row[3]:.6f} before its answer arrived "
+                                                        f"(reconciled or released); its answer's cost", ref))
+                        row[3] = cost
                     continue
                 if kind == "settle":
                     cost = float(f.get("cost") or 0.0)
@@ -277,7 +322,8 @@ class BudgetLedger:
                     d[0] += cost
                     if row[1] in HELD_STATES:
                         d[1] -= row[2]
-                    row[1] = "settled"
+                    row[1], row[3] = "settled", cost
+                    settled_here.add(ref)
                     settles.append((cost, now, f.get("generation_id"), f.get("provider"), f.get("prompt_tokens"),
                                     f.get("completion_tokens"), f.get("note"), ref))
                 elif kind == "orphan" and row[1] == "reserved":
@@ -290,6 +336,8 @@ class BudgetLedger:
                 self.db.executemany(self._ORPHAN_SQL, orphans)
             if settles:
                 self.db.executemany(self._SETTLE_SQL, settles)
+            if corrections:
+                self.db.executemany("UPDATE reservations SET cost=?, updated=?, note=? WHERE ref=?", corrections)
             # reservations, decided against totals read once
             if reserves:
                 totals = {ds: [sp, h] for ds, sp, h in self.db.execute("SELECT dataset, spent, held FROM totals")}
@@ -313,7 +361,7 @@ class BudgetLedger:
                         inserts.append((r.ref, r.dataset, m.get("backend"), m.get("model"), m.get("item"), m.get("cache_key"),
                                         m.get("attempt"), HOST, self.pid, r.amount, m.get("api_base"), now, now))
                     elif not r.ahead:
-                        d.others_in_flight = self._others_in_flight()
+                        d.others_in_flight, d.others = self._others_in_flight()
                     out.append(d)
                 if inserts:
                     self.db.executemany(
@@ -445,8 +493,9 @@ class LedgerSession:
     so the event loop keeps serving responses while another process holds the write lock)."""
 
     def __init__(self, ledger: BudgetLedger, dataset: str, budget_usd: float | None, dataset_budget_usd: float | None,
-                 meta: Mapping[str, Any] | None = None, coalesce_s: float = 0.002):
+                 meta: Mapping[str, Any] | None = None, coalesce_s: float = 0.002, others_wait_s: float = OTHERS_WAIT_S):
         self.ledger, self.dataset = ledger, dataset
+        self.others_wait_s = others_wait_s
         self.budget_usd, self.dataset_budget_usd = budget_usd, dataset_budget_usd
         self.meta = dict(meta or {})
         self._reserves: list[tuple[Reserve, asyncio.Future]] = []
@@ -470,8 +519,10 @@ class LedgerSession:
     # -- public ---------------------------------------------------------------------------------
     async def reserve(self, amount: float, stop: asyncio.Event | None = None, **meta: Any) -> str | None:
         """Reserve ``amount``; waits while budget may be freed by requests in flight (here or in
-        other processes); raises :class:`BudgetExhausted` when it cannot fit; returns ``None`` if
-        ``stop`` is set while it waits."""
+        other processes: for at most :attr:`others_wait_s` while only theirs are, since a job that
+        died on another host never settles); raises :class:`BudgetExhausted` when it cannot fit;
+        returns ``None`` if ``stop`` is set while it waits."""
+        waiting_since: float | None = None  # since when only other processes' requests may free budget
         while True:
             released = self._released
             ref = new_ref()
@@ -486,6 +537,15 @@ class LedgerSession:
                 continue  # a settlement came after the decision's batch: ask again at once
             if self.in_flight == 0 and decision.others_in_flight == 0:
                 raise BudgetExhausted(decision.reason)
+            if self.in_flight:
+                waiting_since = None
+            elif waiting_since is None:
+                waiting_since = time.monotonic()
+            elif time.monotonic() - waiting_since > self.others_wait_s:
+                raise BudgetExhausted(
+                    f"{decision.reason}; waited {self.others_wait_s:g} s for {decision.others_in_flight} reservation(s) "
+                    f"of other processes that never settled ({decision.others}). If those jobs are gone (a job killed "
+                    "on another machine), orphan them: eagledata budget --orphan-host HOST (then --reconcile)")
             # requests in flight may settle below their worst case: wait for one, then ask again
             self._freed.clear()
             waits = [asyncio.ensure_future(self._freed.wait())]
@@ -670,7 +730,7 @@ def format_report(rows: list[dict[str, Any]], totals: Mapping[str, Mapping[str, 
 
 
 def cmd_budget(args: Any) -> int:
-    """``eagledata budget [--reconcile] [--release-orphans] [--json]``."""
+    """``eagledata budget [--orphan-host HOST] [--reconcile] [--release-orphans] [--json]``."""
     import asyncio
     import json
     import sys
@@ -681,10 +741,10 @@ def cmd_budget(args: Any) -> int:
     path = ledger_path(config["cache_dir"])
     if not path.exists():
         print(f"eagledata budget: no ledger yet at {path} (nothing was generated with this cache_dir)", file=sys.stderr)
-        return 0 if not (args.reconcile or args.release_orphans) else 2
+        return 0 if not (args.reconcile or args.release_orphans or args.orphan_host) else 2
     ledger = BudgetLedger(path)
     try:
-        notes = []
+        notes = [f"orphaned {ledger.orphan_host(host)} reservation(s) in flight on host {host}" for host in args.orphan_host]
         if args.reconcile:
             from eagledata.generate.errors import GenerationError
             from eagledata.generate.openrouter import api_key, key_usage, reconcile_generations

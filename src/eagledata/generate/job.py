@@ -46,7 +46,7 @@ from eagledata.config import DatasetSettings, dataset_generation, dataset_settin
 from eagledata.eventloop import run as run_event_loop
 from eagledata.eventloop import uvloop_module
 from eagledata.generate.attempts import LEDGER_WRITE_ERRORS, GenerationJob, ledger_write_error
-from eagledata.generate.budget import BudgetLedger, LedgerSession, ledger_path
+from eagledata.generate.budget import OTHERS_WAIT_S, BudgetLedger, LedgerSession, ledger_path
 from eagledata.generate.cache import ResponseCache, import_rescued_answers, keep_paid_answers, write_jsonl_atomic
 from eagledata.generate.dedup import dataset_option
 from eagledata.generate.cachelock import CacheLockTimeout, acquire_writer_lock, lock_wait_s
@@ -284,11 +284,12 @@ async def run_requests(run: Run, ledger: BudgetLedger, progress_stream: Any) -> 
     assert cache is not None
     price = price_bound(s)
     reserve = worst_cases(run, price)
+    cs = ClientSettings.from_generation(s.generation, run.work.url, s.backend, run.headers)
     session = LedgerSession(ledger, run.dataset, run.config.get("budget_usd"),
                             run.config["datasets"][run.dataset].get("budget_usd"),
                             {"backend": s.backend, "model": s.api_model,
-                             "api_base": None if s.backend == "simulator" else run.api_base})
-    cs = ClientSettings.from_generation(s.generation, run.work.url, s.backend, run.headers)
+                             "api_base": None if s.backend == "simulator" else run.api_base},
+                            others_wait_s=max(OTHERS_WAIT_S, 2 * cs.timeout_s + 60))
     progress = Progress(f"generate {run.dataset}", len(run.todo), run.log, stream=progress_stream)
     cache.open()
     job = run.job = GenerationJob(run.work, list(run.todo.values()), cs, cache, session, progress, run.log, reserve, price)
