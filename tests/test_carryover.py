@@ -117,3 +117,61 @@ def test_turns_all_conversations_are_carried_turn_after_turn(tmp_path, k25):
     strip = ("carried_from", "started_at", "elapsed_s")
     assert [{k: v for k, v in r.items() if k not in strip} for r in read_jsonl(tmp_path / "results/e/responses.jsonl")] == \
         [{k: v for k, v in r.items() if k not in strip} for r in read_jsonl(tmp_path / "results/d/responses.jsonl")]
+
+
+@pytest.mark.parametrize("turns", ["last", "all"])
+def test_a_full_disk_while_carrying_stops_the_job_before_anything_is_sent(standin, tmp_path, k25, monkeypatch, turns):
+    """The carried answers the cache refused go to the rescue file; the job stops, pays nothing and
+    the next run, with room again, takes them in and sends nothing."""
+    import errno
+
+    from eagledata.generate.cache import ResponseCache
+    from eagledata.generate.errors import GenerationError
+
+    monkeypatch.setenv("EAGLEDATA_RESCUE_DIR", str(tmp_path / "rescue"))
+    sim = standin()
+    convs = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"c{i}: first?"}, {"role": "assistant", "content": "x"},
+                                          {"role": "user", "content": f"c{i}: second?"}]} for i in range(3)]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    cfg = make_config(tmp_path, prompts, str(k25[0].source), api_base=sim.base_url)
+    cfg["datasets"]["d"]["turns"] = turns
+    generate_dataset(cfg, "d", tmp_path / "results/d/responses.jsonl", log=quiet)
+    paid = sim.requests_total
+    real = ResponseCache._write_some
+
+    def disk_full(self, fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ResponseCache, "_write_some", disk_full)
+    with pytest.raises(GenerationError, match="nothing was sent"):
+        generate_dataset(renamed(cfg, "d", "e"), "e", tmp_path / "results/e/responses.jsonl", log=quiet)
+    assert sim.requests_total == paid and list((tmp_path / "rescue").iterdir())
+    monkeypatch.setattr(ResponseCache, "_write_some", real)
+    s = generate_dataset(renamed(cfg, "d", "e"), "e", tmp_path / "results/e/responses.jsonl", log=quiet)
+    assert sim.requests_total == paid and s["http_requests"] == 0
+    assert len(read_jsonl(tmp_path / "results/e/responses.jsonl")) == len(read_jsonl(tmp_path / "results/d/responses.jsonl"))
+
+
+def test_an_unreadable_cache_of_another_dataset_is_skipped_with_a_warning(standin, tmp_path, k25, monkeypatch):
+    import builtins
+
+    sim = standin()
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 3)
+    cfg = make_config(tmp_path, prompts, str(k25[0].source), api_base=sim.base_url)
+    generate_dataset(cfg, "d", tmp_path / "results/d/responses.jsonl", log=quiet)
+    other = renamed(cfg, "d", "x")
+    other["datasets"]["x"]["prompts"] = str(write_prompts(tmp_path / "other.jsonl", 2, prefix="o"))
+    unreadable = str(tmp_path / "cache" / "d" / "responses.jsonl")
+    real_open = builtins.open
+
+    def refuse(path, *args, **kwargs):  # another user's cache in a shared cache_dir (root reads any file)
+        if str(path) == unreadable:
+            raise PermissionError(13, "Permission denied", unreadable)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", refuse)
+    logs: list[str] = []
+    assert plan_dataset(other, "x")["to_request"] == 2
+    s = generate_dataset(other, "x", tmp_path / "results/x/responses.jsonl", log=logs.append)
+    assert s["requested"] == 2 and any(f"{unreadable}: not read for answers to carry over" in m for m in logs)

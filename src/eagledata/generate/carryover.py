@@ -9,7 +9,9 @@ key still to request up in the other datasets' caches under ``cache_dir``
 as :meth:`~eagledata.generate.cache.ResponseCache.load` reads them). A successful answer found there
 (HTTP status 200) is appended to this dataset's cache, as received, with ``carried_from`` naming
 the dataset whose cache held it and without that dataset's budget reservation reference (the
-reservation is settled in that dataset's ledger rows); it is then not requested. Final HTTP errors
+reservation is that dataset's, counted in the ledger under its name); it is then not requested.
+Answers an old name's job left in a rescue file (a full disk) are not carried: run that dataset once
+to take them into its cache. Final HTTP errors
 (a 400, a 403) are not carried: nothing was paid for them, and the new dataset asks again.
 
 Only datasets with ``dedup`` on (the default) carry answers over: ``dedup: false`` asks for this
@@ -26,11 +28,14 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from eagledata.generate.cache import ResponseCache
 
 _KEY = re.compile(rb'"cache_key": ?"([0-9a-f]{64})"')
+
+
+Warn = Callable[[str], None]
 
 
 def sibling_caches(cache_dir: str | Path, dataset: str) -> list[tuple[str, Path]]:
@@ -62,27 +67,38 @@ def carried_answers(path: Path, wanted: set[str]) -> Iterable[dict[str, Any]]:
                 yield rec
 
 
-def carried_records(wanted: Iterable[str], cache_dir: str | Path, dataset: str) -> Iterator[tuple[str, dict[str, Any]]]:
+def carried_records(wanted: Iterable[str], cache_dir: str | Path, dataset: str,
+                    warn: Warn | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
     """(dataset, record) of every key of ``wanted`` that another dataset's cache answered with
-    status 200, each key once (the first dataset by name that holds it); nothing is written."""
+    status 200, each key once (the first dataset by name that holds it); nothing is written. A
+    cache that cannot be read (another user's, say, in a shared ``cache_dir``) is skipped, and
+    ``warn`` told why."""
     left = set(wanted)
     for name, path in sibling_caches(cache_dir, dataset):
         if not left:
             return
-        for rec in carried_answers(path, left):
-            left.discard(rec["cache_key"])
-            yield name, rec
+        try:
+            for rec in carried_answers(path, left):
+                left.discard(rec["cache_key"])
+                yield name, rec
+        except OSError as exc:
+            if warn is not None:
+                warn(f"warning: {path}: not read for answers to carry over ({exc.strerror or exc})")
 
 
-def carry_over(cache: ResponseCache, todo: Iterable[str], cache_dir: str | Path, dataset: str) -> dict[str, int]:
+def carry_over(cache: ResponseCache, todo: Iterable[str], cache_dir: str | Path, dataset: str,
+               warn: Warn | None = None) -> dict[str, int]:
     """Append to ``cache`` (this dataset's, its writer lock held) the answers :func:`carried_records`
-    finds for the keys of ``todo`` it lacks; returns how many came from each dataset (the keys
-    carried are in ``cache.index`` afterwards)."""
+    finds for the keys of ``todo`` it lacks; returns how many came from each dataset, each of them
+    in ``cache.index`` afterwards. Stops at the first append the cache could not write
+    (``cache.write_error`` is then set; that record and the others kept are in its rescue file)."""
     carried: dict[str, int] = {}
-    for name, rec in carried_records([k for k in todo if k not in cache.index], cache_dir, dataset):
+    for name, rec in carried_records([k for k in todo if k not in cache.index], cache_dir, dataset, warn):
         rec.pop("ledger_ref", None)
         rec["carried_from"] = name
         cache.append(rec)
+        if cache.write_error is not None or rec["cache_key"] not in cache.index:
+            break
         carried[name] = carried.get(name, 0) + 1
     return carried
 

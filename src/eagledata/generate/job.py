@@ -174,13 +174,18 @@ def carry_answers(run: Run) -> None:
     if not run.todo or not dataset_option(run.config, run.dataset, "dedup"):
         return
     while run.todo:
-        got = carry_over(cache, list(run.todo), run.config["cache_dir"], run.dataset)
-        if not got:
-            break
+        got = carry_over(cache, list(run.todo), run.config["cache_dir"], run.dataset, run.log)
         for name, n in got.items():
             run.carried[name] = run.carried.get(name, 0) + n
             run.log(f"generate {run.dataset}: {n} answer(s) carried over from the cache of dataset {name!r} "
                     "(the same requests, paid once), not requested again")
+        if cache.write_error is not None:
+            cache.close()  # the answers not written are in the rescue file the next run imports first
+            raise GenerationError(f"generate {run.dataset}: the answers carried over from other datasets' caches could "
+                                  f"not be written to {cache.path} ({cache.write_error}); nothing was sent: free space "
+                                  "on the cache's disk and rerun")
+        if not got:
+            break
         run.todo = {k: it for k, it in run.todo.items() if k not in cache.index}
         if run.planner is None:
             break
@@ -311,7 +316,7 @@ async def run_requests(run: Run, ledger: BudgetLedger, progress_stream: Any) -> 
             job.write_failed(ledger_write_error(ledger.path, exc))
         saved = await keep_paid_answers(cache, answer_wait_s(cs, t_run), run.log)
         if saved:
-            job.stop_reason = f"{job.stop_reason}; {saved}"
+            job.stop_reason = f"{job.stop_reason}; {saved}" if job.stop_reason else saved
         if progress.done != progress.total:
             progress.update(force=True)
         progress.close()

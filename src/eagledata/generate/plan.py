@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -122,6 +123,10 @@ def _mean_completion_tokens(cache_path: Path, index: Mapping[str, tuple[int, int
     return sum(values) / len(values) if values else None
 
 
+def _warn(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
 def plan_dataset(config: Mapping[str, Any], name: str, estimator: PromptEstimator | None = None) -> dict[str, Any]:
     """The plan of one dataset (see the module docstring)."""
     s = dataset_settings(config, name)
@@ -149,7 +154,7 @@ def plan_dataset(config: Mapping[str, Any], name: str, estimator: PromptEstimato
         todo = {it.cache_key: it for it in work.items if it.cache_key not in index}
         carried: set[str] = set()
         if todo and dataset_option(config, name, "dedup"):
-            carried = {rec["cache_key"] for _, rec in carried_records(todo, config["cache_dir"], name)}
+            carried = {rec["cache_key"] for _, rec in carried_records(todo, config["cache_dir"], name, _warn)}
             todo = {k: it for k, it in todo.items() if k not in carried}
         prompt_est = prompt_upper = 0
         for it in todo.values():

@@ -60,7 +60,7 @@ def segments_json(segments: Sequence[Segment]) -> str:
     """``json.dumps([s.to_dict() for s in segments], ensure_ascii=False)``, byte for byte, about
     five times faster: the segments' texts (most of a completion's characters) are escaped by
     orjson, whose output for a string equals the standard library's without ASCII escaping (every
-    code point checked: tests/test_pershard_speed.py), and the rest is written out in the standard
+    code point checked: tests/test_reconstruct.py), and the rest is written out in the standard
     library's spelling (``", "``, ``": "``). A text orjson refuses (a lone surrogate) falls back to
     the standard library."""
     try:
