@@ -12,6 +12,7 @@ import pytest
 
 from eagledata.generate.budget import BudgetExhausted, BudgetLedger, LedgerBusy, LedgerSession, Reserve, ledger_path
 from eagledata.cli import main as cli_main
+from eagledata.generate.errors import JobStopped
 from eagledata.generate.job import generate_dataset
 from eagledata.generate.openrouter import key_usage, reconcile_generations
 from eagledata.standin.server import SimulatorServer
@@ -472,4 +473,52 @@ def test_a_live_job_in_another_pid_namespace_with_the_same_host_name_is_not_take
         go.write_text("x")
         proc.wait(30)
     assert led.totals()["d"] == {"spent": pytest.approx(0.25), "held": pytest.approx(0.0)}
+    led.close()
+
+
+def test_a_rehearsal_on_the_stand_in_and_real_spend_are_capped_apart(tmp_path, k25, monkeypatch, capsys):
+    """One cache_dir, one budget_usd: the stand-in's simulated spend never uses up the real budget
+    (and real spend never the rehearsal's); eagledata budget shows them on separate lines."""
+    monkeypatch.setenv("OPENROUTER_API_KEY", API_KEY)
+    with SimulatorServer(k25[0], k25[1], seed=1) as paid_api:  # stands for OpenRouter: backend openrouter
+        cfg = make_config(tmp_path, tmp_path / "unused", k25[0].source, api_base=paid_api.base_url, max_tokens=100)
+        cfg["budget_usd"] = 0.01
+        cfg["datasets"] = {
+            "rehearse": {"prompts": str(write_prompts(tmp_path / "r.jsonl", 100, prefix="r")), "model": "m",
+                         "backend": "simulator"},
+            "paid": {"prompts": str(write_prompts(tmp_path / "p.jsonl", 5, prefix="p")), "model": "m",
+                     "backend": "openrouter"}}
+        with pytest.raises(JobStopped, match="simulator backend's own spend"):
+            generate_dataset(cfg, "rehearse", tmp_path / "r.out", log=quiet)  # the rehearsal meets its cap
+        summary = generate_dataset(cfg, "paid", tmp_path / "p.out", log=quiet)
+        assert summary["requested"] == 5 and paid_api.requests_total == 5  # before: 0 sent, "budget" spent by the rehearsal
+        led = BudgetLedger(ledger_path(tmp_path / "cache"))
+        spent, held = led.billed_totals()
+        assert spent == pytest.approx(paid_api.billed_usd) and held == pytest.approx(0.0)
+        assert 0.005 < led.totals()["rehearse@simulator"]["spent"] <= 0.01 + 1e-12
+        led.close()
+        generate_cmd(cfg, tmp_path, name="c")
+        assert cli_main(["budget", "--config", str(tmp_path / "c.yaml")]) == 0
+        out = capsys.readouterr().out
+        assert f"total: spent ${paid_api.billed_usd:.4f}" in out and "simulator (not billed; capped apart" in out
+
+
+def test_a_ledger_written_before_rehearsals_were_counted_apart_is_rebuilt_once(tmp_path):
+    import sqlite3
+
+    path = tmp_path / "b.sqlite"
+    led = BudgetLedger(path)
+    led.apply([Reserve("p", "d", 0.2, 1.0, None, {"backend": "openrouter"}),
+               Reserve("s", "d", 0.3, 1.0, None, {"backend": "simulator"})], [])
+    led.apply([], [("settle", "p", {"cost": 0.1}), ("settle", "s", {"cost": 0.25})])
+    led.close()
+    db = sqlite3.connect(str(path), isolation_level=None)  # as the ledger was: every backend in its dataset's row
+    db.execute("DELETE FROM totals")
+    db.execute("INSERT INTO totals VALUES ('d', 0.35, 0.0)")
+    db.execute("PRAGMA user_version=0")
+    db.close()
+    led = BudgetLedger(path)
+    assert led.totals() == {"d": {"spent": pytest.approx(0.1), "held": 0.0},
+                            "d@simulator": {"spent": pytest.approx(0.25), "held": 0.0}}
+    assert reserve(led, "next", 0.9, dataset="d").granted  # 0.1 real spent: 0.9 fits under 1.0
     led.close()

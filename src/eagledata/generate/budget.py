@@ -18,6 +18,12 @@ Orphans are reconciled (settled) from the response cache (the record carries the
 header, the JSON body's or the first stream chunk's ``id``), or from the key's usage delta
 (``GET /key``) since a snapshot taken before they started; see :mod:`eagledata.cli` ``budget``.
 
+Real money and rehearsals are counted apart: a request to a billed backend (OpenRouter) counts
+in its dataset's totals row, one to the stand-in (simulated costs) or a local SGLang server (its
+answers priced at the model's price) in ``dataset@backend`` (:func:`account`), and each cap sums
+only the rows of the request's own backend. A rehearsal on the stand-in never uses up the real
+budget, nor the reverse; ``eagledata budget`` shows them on separate lines.
+
 Durability: each transaction is committed (WAL, ``synchronous=NORMAL``) before the request is sent,
 so a killed process (even ``kill -9``) never loses a reservation; a power loss may lose the last
 transactions.
@@ -96,6 +102,23 @@ CREATE TABLE IF NOT EXISTS key_snapshots (
 """
 
 HELD_STATES = ("reserved", "orphaned")
+#: Backends whose spend is money paid on the API key (a reservation's ``backend``; none recorded: OpenRouter).
+BILLED_BACKEND = "openrouter"
+#: The totals row (:func:`account`) of a reservation row, in SQL.
+ACCOUNT_SQL = f"CASE WHEN COALESCE(backend, '{BILLED_BACKEND}')='{BILLED_BACKEND}' THEN dataset ELSE dataset || '@' || backend END"
+#: The ledger's layout version (SQLite's user_version): 1 keeps other backends' totals apart.
+LEDGER_VERSION = 1
+
+
+def account(dataset: str, backend: str | None) -> str:
+    """The totals row a request counts in: its dataset for a billed backend, ``dataset@backend``
+    for the stand-in and a local server (dataset names never hold ``@``)."""
+    return dataset if (backend or BILLED_BACKEND) == BILLED_BACKEND else f"{dataset}@{backend}"
+
+
+def account_backend(name: str) -> str:
+    """The backend of a totals row (:func:`account`)."""
+    return name.partition("@")[2] or BILLED_BACKEND
 # A reservation asked ahead (a worker's next request) is granted only while spent + held stays within
 # this share of each cap: near a cap, requests reserve one at a time, so parallel jobs share the rest
 # and none holds room it is not using yet.
@@ -179,11 +202,23 @@ class BudgetLedger:
                     for stmt in _SCHEMA.strip().split(";\n"):
                         if stmt.strip():
                             self.db.execute(stmt)
+                    if self.db.execute("PRAGMA user_version").fetchone()[0] < LEDGER_VERSION:
+                        self._rebuild_totals()
+                        self.db.execute(f"PRAGMA user_version={LEDGER_VERSION}")
                 break
             except sqlite3.OperationalError as exc:
                 if "locked" not in str(exc) or time.monotonic() > deadline:
                     raise
                 time.sleep(0.05 + random.random() * 0.1)
+
+    def _rebuild_totals(self) -> None:
+        """The totals from the reservations (a ledger written before :data:`LEDGER_VERSION`, when
+        every backend counted in its dataset's row)."""
+        self.db.execute("DELETE FROM totals")
+        self.db.execute(f"INSERT INTO totals(dataset, spent, held) SELECT {ACCOUNT_SQL}, "
+                        "SUM(CASE WHEN state='settled' THEN cost ELSE 0 END), "
+                        "SUM(CASE WHEN state IN ('reserved', 'orphaned') THEN reserved ELSE 0 END) "
+                        f"FROM reservations GROUP BY {ACCOUNT_SQL}")
 
     def close(self) -> None:
         self.db.close()
@@ -213,18 +248,19 @@ class BudgetLedger:
 
     # -- operations (call inside a transaction) --------------------------------------------------
     def _row(self, ref: str) -> tuple[str, str, float, float] | None:
-        return self.db.execute("SELECT dataset, state, reserved, cost FROM reservations WHERE ref=?", (ref,)).fetchone()
+        """(account, state, reserved, cost) of a reservation."""
+        return self.db.execute(f"SELECT {ACCOUNT_SQL}, state, reserved, cost FROM reservations WHERE ref=?", (ref,)).fetchone()
 
     def _settle(self, ref: str, cost: float, now: float, **fields: Any) -> bool:
         row = self._row(ref)
         if row is None or row[1] == "settled":
             return False
-        dataset, state, reserved, _ = row
+        acct, state, reserved, _ = row
         sets = {k: v for k, v in fields.items() if v is not None}
         cols = "".join(f", {k}=?" for k in sets)
         self.db.execute(f"UPDATE reservations SET state='settled', cost=?, updated=?{cols} WHERE ref=?",
                         (cost, now, *sets.values(), ref))
-        self._bump(dataset, spent=cost, held=-reserved if state in HELD_STATES else 0.0)
+        self._bump(acct, spent=cost, held=-reserved if state in HELD_STATES else 0.0)
         return True
 
     def _mark_dead(self) -> int:
@@ -292,9 +328,9 @@ class BudgetLedger:
             rows: dict[str, list[Any]] = {}
             for i in range(0, len(refs), 500):
                 chunk = refs[i:i + 500]
-                q = f"SELECT ref, dataset, state, reserved, cost FROM reservations WHERE ref IN ({','.join('?' * len(chunk))})"
+                q = f"SELECT ref, {ACCOUNT_SQL}, state, reserved, cost FROM reservations WHERE ref IN ({','.join('?' * len(chunk))})"
                 rows.update({r[0]: list(r[1:]) for r in self.db.execute(q, chunk)})
-            delta: dict[str, list[float]] = {}  # dataset -> [spent, held]
+            delta: dict[str, list[float]] = {}  # account -> [spent, held]
             settles, orphans, notes, corrections = [], [], [], []
             settled_here: set[str] = set()
             for kind, ref, f in updates:
@@ -348,15 +384,16 @@ class BudgetLedger:
                 inserts = []
                 checked_others = False
                 for r in reserves:
-                    d = self._decide(r, totals)
+                    acct = account(r.dataset, r.meta.get("backend"))
+                    d = self._decide(r, acct, totals)
                     if not d.granted and not checked_others and not r.ahead:
                         checked_others = True
                         if self._mark_dead():  # held amounts unchanged; the in-flight count is now truthful
-                            d = self._decide(r, totals)
+                            d = self._decide(r, acct, totals)
                     if d.granted:
-                        t = totals.setdefault(r.dataset, [0.0, 0.0])
+                        t = totals.setdefault(acct, [0.0, 0.0])
                         t[1] += r.amount
-                        delta.setdefault(r.dataset, [0.0, 0.0])[1] += r.amount
+                        delta.setdefault(acct, [0.0, 0.0])[1] += r.amount
                         m = r.meta
                         inserts.append((r.ref, r.dataset, m.get("backend"), m.get("model"), m.get("item"), m.get("cache_key"),
                                         m.get("attempt"), HOST, self.pid, r.amount, m.get("api_base"), now, now))
@@ -373,14 +410,17 @@ class BudgetLedger:
         return out
 
     @staticmethod
-    def _decide(r: Reserve, totals: Mapping[str, list[float]]) -> Decision:
-        s_all = sum(t[0] for t in totals.values())
-        h_all = sum(t[1] for t in totals.values())
-        s_ds, h_ds = totals.get(r.dataset, (0.0, 0.0))
+    def _decide(r: Reserve, acct: str, totals: Mapping[str, list[float]]) -> Decision:
+        """Whether ``r`` (counting in ``acct``) fits the caps, each summing the accounts of its backend."""
+        backend = account_backend(acct)
+        same = [t for name, t in totals.items() if account_backend(name) == backend]
+        s_all, h_all = sum(t[0] for t in same), sum(t[1] for t in same)
+        s_ds, h_ds = totals.get(acct, (0.0, 0.0))
         fill = AHEAD_MAX_FILL if r.ahead else 1.0  # asked ahead of need: only while each cap stays that far from full
         limit = "it" if fill == 1.0 else f"{fill:g} of it"
         if r.budget_usd is not None and s_all + h_all + r.amount > fill * r.budget_usd + EPS:
-            return Decision(False, f"budget_usd {r.budget_usd:g}: spent ${s_all:.4f} + held ${h_all:.4f} "
+            what = "" if backend == BILLED_BACKEND else f" (the {backend} backend's own spend, counted apart from real spend)"
+            return Decision(False, f"budget_usd {r.budget_usd:g}{what}: spent ${s_all:.4f} + held ${h_all:.4f} "
                                    f"+ this request's worst case ${r.amount:.4f} would pass {limit}")
         if r.dataset_budget_usd is not None and s_ds + h_ds + r.amount > fill * r.dataset_budget_usd + EPS:
             return Decision(False, f"datasets.{r.dataset}.budget_usd {r.dataset_budget_usd:g}: spent ${s_ds:.4f} + "
@@ -464,7 +504,13 @@ class BudgetLedger:
 
     # -- queries --------------------------------------------------------------------------------
     def totals(self) -> dict[str, dict[str, float]]:
+        """Spent and held per account (:func:`account`: a dataset's real spend under its name)."""
         return {ds: {"spent": s, "held": h} for ds, s, h in self.db.execute("SELECT dataset, spent, held FROM totals ORDER BY dataset")}
+
+    def billed_totals(self) -> tuple[float, float]:
+        """(spent, held) of the billed backend over every dataset: what ``budget_usd`` caps."""
+        t = [v for k, v in self.totals().items() if account_backend(k) == BILLED_BACKEND]
+        return sum(v["spent"] for v in t), sum(v["held"] for v in t)
 
     def report(self) -> list[dict[str, Any]]:
         """Spend per dataset and provider (settled cost, held amounts, counts, tokens)."""
@@ -717,9 +763,13 @@ def format_report(rows: list[dict[str, Any]], totals: Mapping[str, Mapping[str, 
         usd = [f"${r[k]:.4f}" for k in ("spent_usd", "in_flight_usd", "orphaned_usd")]
         lines.append(f"{r['dataset']:<16} {str(r['provider'])[:22]:<22} {r['attempts']:>8} {usd[0]:>11} {usd[1]:>11} "
                      f"{usd[2]:>11} {str(r['prompt_tokens']) + '/' + str(r['completion_tokens']):>21}")
-    spent = sum(t["spent"] for t in totals.values())
-    held = sum(t["held"] for t in totals.values())
+    billed = [t for k, t in totals.items() if account_backend(k) == BILLED_BACKEND]
+    spent, held = sum(t["spent"] for t in billed), sum(t["held"] for t in billed)
     lines.append(f"total: spent ${spent:.4f}, held ${held:.4f} (in flight + orphaned, counted as spent until reconciled)")
+    for backend in sorted({account_backend(k) for k in totals} - {BILLED_BACKEND}):
+        other = [t for k, t in totals.items() if account_backend(k) == backend]
+        lines.append(f"{backend} (not billed; capped apart from real spend): spent ${sum(t['spent'] for t in other):.4f}, "
+                     f"held ${sum(t['held'] for t in other):.4f}")
     if budget_usd is not None:
         lines.append(f"budget_usd {budget_usd:g}: remaining ${budget_usd - spent - held:.4f}")
     for ds, cap in dataset_budgets.items():

@@ -46,7 +46,7 @@ from eagledata.config import DatasetSettings, dataset_generation, dataset_settin
 from eagledata.eventloop import run as run_event_loop
 from eagledata.eventloop import uvloop_module
 from eagledata.generate.attempts import LEDGER_WRITE_ERRORS, GenerationJob, ledger_write_error
-from eagledata.generate.budget import OTHERS_WAIT_S, BudgetLedger, LedgerSession, ledger_path
+from eagledata.generate.budget import OTHERS_WAIT_S, BudgetLedger, LedgerSession, account, ledger_path
 from eagledata.generate.cache import ResponseCache, import_rescued_answers, keep_paid_answers, write_jsonl_atomic
 from eagledata.generate.dedup import dataset_option
 from eagledata.generate.cachelock import CacheLockTimeout, acquire_writer_lock, lock_wait_s
@@ -352,7 +352,7 @@ async def request_missing(run: Run, progress_stream: Any) -> None:
         finally:
             if server is not None:
                 server.stop()
-            run.totals = ledger.totals().get(run.dataset, run.totals)
+            run.totals = ledger.totals().get(account(run.dataset, run.settings.backend), run.totals)
             ledger.close()
 
 

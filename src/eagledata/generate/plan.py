@@ -228,9 +228,7 @@ def plan(config: Mapping[str, Any], datasets: list[str] | None = None) -> dict[s
     if path.exists():
         ledger = BudgetLedger(path)
         try:
-            for t in ledger.totals().values():
-                spent += t["spent"]
-                held += t["held"]
+            spent, held = ledger.billed_totals()  # a rehearsal's simulated spend is capped apart
         finally:
             ledger.close()
     budget = config.get("budget_usd")
