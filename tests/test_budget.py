@@ -522,3 +522,13 @@ def test_a_ledger_written_before_rehearsals_were_counted_apart_is_rebuilt_once(t
                             "d@simulator": {"spent": pytest.approx(0.25), "held": 0.0}}
     assert reserve(led, "next", 0.9, dataset="d").granted  # 0.1 real spent: 0.9 fits under 1.0
     led.close()
+
+
+def test_orphan_host_matches_that_host_only(tmp_path):
+    led = BudgetLedger(tmp_path / "b.sqlite")
+    for ref, host in (("a", "node_1/b00t/1"), ("b", "node-1"), ("c", "node-17/b00t/1"), ("d", "nodeX1/b00t/1")):
+        led.db.execute("INSERT INTO reservations(ref, dataset, host, pid, state, reserved, created, updated) "
+                       "VALUES(?, 'd', ?, 1, 'reserved', 0.1, 0, 0)", (ref, host))
+    assert led.orphan_host("node_1") == 1 and led.orphan_host("node-1") == 1
+    assert sorted(r["ref"] for r in led.orphans()) == ["a", "b"]
+    led.close()

@@ -285,8 +285,9 @@ class BudgetLedger:
         pids cannot be checked from here. They stay held until reconciled or released."""
         with self.transaction():
             return self.db.execute("UPDATE reservations SET state='orphaned', updated=?, note=COALESCE(note, ?) "
-                                   "WHERE state='reserved' AND (host=? OR host LIKE ?)",
-                                   (time.time(), "orphaned by hand: its host's job is gone", host, f"{host}/%")).rowcount
+                                   "WHERE state='reserved' AND (host=? OR substr(host, 1, ?)=?)",
+                                   (time.time(), "orphaned by hand: its host's job is gone", host, len(host) + 1,
+                                    f"{host}/")).rowcount
 
     # -- batched entry (one transaction) --------------------------------------------------------
     _SETTLE_SQL = ("UPDATE reservations SET state='settled', cost=?, updated=?, generation_id=COALESCE(?, generation_id), "
