@@ -97,6 +97,31 @@ def test_reasoning_count_off_by_a_few_is_never_exact(k25, tmp_path, off):
     _assert_trapped(rows, "off", "reasoning_count_mismatch")
 
 
+def test_a_sample_never_excuses_its_own_reasoning_count(k25, tmp_path):
+    """One sample a few tokens above and one a few below, the others exact: each alone would make
+    the provider's reasoning count 'not a checksum' for the other, so each is judged on the others'
+    evidence, which shows a checksum: both are caught. A provider off in both directions on
+    several samples is still learned not to be a checksum."""
+    tok, fam = k25
+    n_prompt = len(prompt_ids(tok, MSGS))
+    n = len(_true_ids(tok, fam, REASONING, CONTENT))
+    n_r = len(tok.encode_plain(REASONING))
+    records = _anchors(tok, fam, n_prompt, reasoning_billed=n_r + 1)
+    records += [_record("above", REASONING, CONTENT, n, n_prompt, reasoning_billed=n_r + 4),
+                _record("below", REASONING, CONTENT, n, n_prompt, reasoning_billed=n_r - 3)]
+    (tmp_path / "pair").mkdir()
+    rows = _judge(tok, fam, tmp_path / "pair", records)
+    assert {rows[f"anchor{i}"]["verdict"] for i in range(3)} == {"exact"}
+    _assert_trapped(rows, "above", "reasoning_count_mismatch")
+    _assert_trapped(rows, "below", "reasoning_count_mismatch")
+    records += [_record(f"noisy{i}", REASONING, CONTENT, n, n_prompt, reasoning_billed=n_r + d)
+                for i, d in enumerate((5, -2))]
+    (tmp_path / "noisy").mkdir()
+    rows = _judge(tok, fam, tmp_path / "noisy", records)
+    assert all("reasoning_count_unchecked" in rows[r]["reasons"] and rows[r]["train"]
+               for r in ("above", "below", "noisy0", "noisy1"))
+
+
 def _wrong_specials(tok, ids: list[int]) -> dict[str, tuple[list[int], str]]:
     """Engine ids with a wrong special id, each with the reason that must catch it."""
     sid = tok.special_id

@@ -35,13 +35,9 @@ def learn_reasoning_reliability(stats: Iterable[SampleStats], conventions: Mappi
     billed minus ours; ``agree`` counts 0 and +1, the ``</think>``)."""
     seen: dict[str, list[int]] = defaultdict(list)
     for s in stats:
-        d = s.reasoning_diff()
-        if d is None or any(REASONS[c][0] == "error" for c in s.codes):
-            continue
-        conv = convention_for(conventions, s.provider, s.finish_reason)
-        if conv == "unknown" or s.completion_diff(conv) != 0:
-            continue
-        seen[s.provider].append(d)
+        d = reasoning_vote(s, conventions)
+        if d is not None:
+            seen[s.provider].append(d)
     out = {}
     for provider, diffs in seen.items():
         above = sum(d > 1 for d in diffs)
@@ -51,8 +47,26 @@ def learn_reasoning_reliability(stats: Iterable[SampleStats], conventions: Mappi
     return out
 
 
-def reasoning_checked(reliability: Mapping[str, Mapping[str, Any]], provider: str) -> bool:
-    return bool((reliability.get(provider) or {}).get("checksum", True))
+def reasoning_checked(reliability: Mapping[str, Mapping[str, Any]], provider: str, own_diff: int | None = None) -> bool:
+    """Whether ``provider``'s reasoning count is a checksum. ``own_diff``: the judged sample's own
+    reasoning diff when it was one of the learning's samples (:func:`reasoning_vote`): left out, so a
+    sample never excuses itself (one sample above and one below would excuse both)."""
+    r = reliability.get(provider)
+    if not r:
+        return True
+    if own_diff is None or "above" not in r:
+        return bool(r.get("checksum", True))
+    above, below = r["above"] - (own_diff > 1), r["below"] - (own_diff < 0)
+    return not (above and below)
+
+
+def reasoning_vote(s: SampleStats, conventions: Mapping[str, Mapping]) -> int | None:
+    """The sample's reasoning diff when :func:`learn_reasoning_reliability` counts it, else ``None``."""
+    d = s.reasoning_diff()
+    if d is None or any(REASONS[c][0] == "error" for c in s.codes):
+        return None
+    conv = convention_for(conventions, s.provider, s.finish_reason)
+    return d if conv != "unknown" and s.completion_diff(conv) == 0 else None
 
 
 def learn_prompt_variants(stats: Iterable[SampleStats]) -> dict[str, dict[str, Any]]:

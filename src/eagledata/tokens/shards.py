@@ -64,7 +64,8 @@ import polars as pl
 
 from eagledata.tokens.checks import (COUNT_CODES, REASONS, SampleStats, completion_verdict, convention_for, count_vote,
                      learn_conventions, prompt_verdict, repairable, sample_stats, verdict, verdict_of)
-from eagledata.tokens.learning import learn_prompt_variants, learn_reasoning_reliability, reasoning_checked, sample_variant
+from eagledata.tokens.learning import (learn_prompt_variants, learn_reasoning_reliability, reasoning_checked, reasoning_vote,
+                                      sample_variant)
 from eagledata.tokens.policy import Policy, resolve_policy
 from eagledata.tokens.repairs import (WHITESPACE_CONTENT, WHITESPACE_REASONING, RepairResult, applicable_transforms,
                       parsed_from_segments, search_repairs)
@@ -461,8 +462,12 @@ class Judge:
     tokenizer: Tokenizer
     family: ModelFamily
 
+    def _reasoning_checked(self, st: SampleStats) -> bool:
+        """Whether ``st``'s reasoning count is checked: its provider's, learned from the other samples."""
+        return reasoning_checked(self.reliability, st.provider, reasoning_vote(st, self.conventions))
+
     def _billed_reasoning(self, st: SampleStats) -> int | None:
-        return st.billed_reasoning if reasoning_checked(self.reliability, st.provider) else None
+        return st.billed_reasoning if self._reasoning_checked(st) else None
 
     def _conv(self, st: SampleStats) -> str:
         """The convention ``st`` is judged under: learned from the other samples (its own vote left out)."""
@@ -473,7 +478,7 @@ class Judge:
         judged = []
         for st in stats:
             conv = self._conv(st)
-            v, reasons = verdict(st, conv, reasoning_checked(self.reliability, st.provider))
+            v, reasons = verdict(st, conv, self._reasoning_checked(st))
             judged.append(Judgement(v, reasons, st.completion_diff(conv if conv != "unknown" else "counts_eot")))
         return judged
 
