@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from eagledata.generate.budget import BudgetExhausted, BudgetLedger, LedgerBusy, LedgerSession, Reserve, ledger_path
+from eagledata.generate.budget import BudgetExhausted, BudgetLedger, LedgerBusy, Reserve, ledger_path
+from eagledata.generate.ledgersession import LedgerSession
 from eagledata.cli import main as cli_main
 from eagledata.generate.errors import JobStopped
 from eagledata.generate.job import generate_dataset
@@ -404,7 +405,7 @@ def test_a_job_gone_with_another_machine_stops_a_waiting_request_then_can_be_orp
             await session.close()
 
     message = asyncio.run(wait_for_room())  # before: polled every 0.25 s, for ever
-    assert "never settled" in message and "node-17/0000abcd/4026531836 pid" in message
+    assert "some older than that" in message and "node-17/0000abcd/4026531836 pid" in message
     assert "eagledata budget --orphan-host" in message
     generate_cmd(make_config(tmp_path, write_prompts(tmp_path / "p.jsonl", 1), k25[0].source), tmp_path, name="c")
     assert cli_main(["budget", "--config", str(tmp_path / "c.yaml"), "--orphan-host", "node-17"]) == 0
@@ -485,7 +486,7 @@ def test_a_rehearsal_on_the_stand_in_and_real_spend_are_capped_apart(tmp_path, k
         cfg["budget_usd"] = 0.01
         cfg["datasets"] = {
             "rehearse": {"prompts": str(write_prompts(tmp_path / "r.jsonl", 100, prefix="r")), "model": "m",
-                         "backend": "simulator"},
+                         "backend": "simulator", "budget_usd": 0.05},
             "paid": {"prompts": str(write_prompts(tmp_path / "p.jsonl", 5, prefix="p")), "model": "m",
                      "backend": "openrouter"}}
         with pytest.raises(JobStopped, match="simulator backend's own spend"):
@@ -501,26 +502,43 @@ def test_a_rehearsal_on_the_stand_in_and_real_spend_are_capped_apart(tmp_path, k
         assert cli_main(["budget", "--config", str(tmp_path / "c.yaml")]) == 0
         out = capsys.readouterr().out
         assert f"total: spent ${paid_api.billed_usd:.4f}" in out and "simulator (not billed; capped apart" in out
+        sim_spent = BudgetLedger(ledger_path(tmp_path / "cache")).totals()["rehearse@simulator"]["spent"]
+        assert f"datasets.rehearse.budget_usd 0.05: remaining ${0.05 - sim_spent:.4f} (simulator)" in out
+        assert cli_main(["plan", "--config", str(tmp_path / "c.yaml"), "--json"]) == 0
+        plan = json.loads(capsys.readouterr().out)  # the rehearsal's worst case is not set against real money
+        assert plan["billed_cost_worst"] == 0 and plan["cost_worst"] > 0
 
 
-def test_a_ledger_written_before_rehearsals_were_counted_apart_is_rebuilt_once(tmp_path):
+def test_accounts_of_a_ledger_from_before_and_of_an_earlier_version_still_writing_stay_right(tmp_path):
+    """A ledger written before accounts existed gets them from its reservations; a job of the earlier
+    version still running (it keeps the per-dataset totals only) keeps them right too: SQL triggers."""
     import sqlite3
 
     path = tmp_path / "b.sqlite"
     led = BudgetLedger(path)
     led.apply([Reserve("p", "d", 0.2, 1.0, None, {"backend": "openrouter"}),
                Reserve("s", "d", 0.3, 1.0, None, {"backend": "simulator"})], [])
-    led.apply([], [("settle", "p", {"cost": 0.1}), ("settle", "s", {"cost": 0.25})])
+    led.apply([], [("settle", "p", {"cost": 0.1})])
     led.close()
-    db = sqlite3.connect(str(path), isolation_level=None)  # as the ledger was: every backend in its dataset's row
-    db.execute("DELETE FROM totals")
-    db.execute("INSERT INTO totals VALUES ('d', 0.35, 0.0)")
-    db.execute("PRAGMA user_version=0")
+    db = sqlite3.connect(str(path), isolation_level=None)  # as the earlier version left it
+    for name in ("account_totals_insert", "account_totals_update", "account_totals_delete"):
+        db.execute(f"DROP TRIGGER {name}")
+    db.execute("DROP TABLE account_totals")
     db.close()
     led = BudgetLedger(path)
     assert led.totals() == {"d": {"spent": pytest.approx(0.1), "held": 0.0},
-                            "d@simulator": {"spent": pytest.approx(0.25), "held": 0.0}}
-    assert reserve(led, "next", 0.9, dataset="d").granted  # 0.1 real spent: 0.9 fits under 1.0
+                            "d@simulator": {"spent": 0.0, "held": pytest.approx(0.3)}}
+    # the earlier version's job settles its rehearsal request its own way (totals per dataset, no account)
+    old = sqlite3.connect(str(path), isolation_level=None)
+    old.execute("BEGIN IMMEDIATE")
+    old.execute("UPDATE reservations SET state='settled', cost=0.25 WHERE ref='s'")
+    old.execute("UPDATE totals SET spent=spent+0.25, held=held-0.3 WHERE dataset='d'")
+    old.execute("COMMIT")
+    old.close()
+    assert led.totals() == {"d": {"spent": pytest.approx(0.1), "held": 0.0},
+                            "d@simulator": {"spent": pytest.approx(0.25), "held": pytest.approx(0.0)}}
+    assert reserve(led, "next", 0.9, dataset="d").granted and not reserve(led, "more", 0.01, dataset="d").granted
+    assert led.db.execute("SELECT spent, held FROM totals WHERE dataset='d'").fetchone() == pytest.approx((0.35, 0.9))
     led.close()
 
 
@@ -531,4 +549,91 @@ def test_orphan_host_matches_that_host_only(tmp_path):
                        "VALUES(?, 'd', ?, 1, 'reserved', 0.1, 0, 0)", (ref, host))
     assert led.orphan_host("node_1") == 1 and led.orphan_host("node-1") == 1
     assert sorted(r["ref"] for r in led.orphans()) == ["a", "b"]
+    led.close()
+
+
+
+def test_a_request_waiting_on_a_live_job_that_keeps_settling_is_not_stopped(tmp_path):
+    """The other job's reservations stay young (its requests settle and new ones start): however
+    long this request waits, none of them is stale, so it is not stopped."""
+    import threading
+    import time
+
+    path = tmp_path / "b.sqlite"
+    led = BudgetLedger(path)
+    done = threading.Event()
+
+    def busy_other_job():
+        from eagledata.generate import budget as B
+
+        other = BudgetLedger(path)
+        other.pid, n = 999_999_991, 0
+        B_host = "node-9/0000abcd/1/1"
+        while not done.is_set():
+            other.db.execute("BEGIN IMMEDIATE")
+            other.db.execute("UPDATE reservations SET state='settled', cost=0 WHERE host=? AND state='reserved'", (B_host,))
+            other.db.execute("INSERT INTO reservations(ref, dataset, host, pid, state, reserved, created, updated) "
+                             "VALUES(?, 'd', ?, 999999991, 'reserved', 0.9, ?, ?)", (f"o{n}", B_host, time.time(), time.time()))
+            other.db.execute("COMMIT")
+            n += 1
+            time.sleep(0.05)
+        other.close()
+
+    async def wait_for_room() -> str:
+        session = LedgerSession(led, "d", 1.0, None, others_wait_s=0.3)
+        try:
+            await asyncio.wait_for(session.reserve(0.5), 1.5)
+            return "granted"
+        except BudgetExhausted as exc:
+            return f"stopped: {exc}"
+        except asyncio.TimeoutError:
+            return "still waiting"
+        finally:
+            await session.close()
+
+    t = threading.Thread(target=busy_other_job)
+    t.start()
+    try:
+        time.sleep(0.2)
+        assert asyncio.run(wait_for_room()) == "still waiting"
+    finally:
+        done.set()
+        t.join()
+    led.close()
+
+
+def test_reservations_of_this_machine_under_an_earlier_boot_are_dead(monkeypatch):
+    from eagledata.generate import budget as B
+
+    monkeypatch.setattr(B, "HOST", "vm/machine0001/b00t0002/4026531836")
+    monkeypatch.setattr(B, "HOSTNAME", "vm")
+    assert B.pid_alive(1, "vm/machine0001/b00t0001/4026531836") is False  # rebooted since: gone
+    assert B.pid_alive(1, "vm/machine0001/b00t0002/4026532000") is True  # another container, this boot
+    assert B.pid_alive(1, "vm/machine0002/b00t0001/4026531836") is True  # another machine
+    assert B.pid_alive(999_999_999, "vm") is False  # the bare name (written before): checked here
+
+
+def test_an_answer_after_a_key_usage_share_adds_its_cost(tmp_path):
+    """A key-usage reconcile shares the key's unexplained spend among the orphans; a live one's
+    answer arriving later is billed on top of that, not instead of its share."""
+    led = BudgetLedger(tmp_path / "b.sqlite")
+    base = "https://openrouter.ai/api/v1"
+    led.add_key_snapshot(base, 10.0)
+    for ref in ("live", "lost"):
+        led.apply([Reserve(ref, "a", 0.5, 10, None, {"backend": "openrouter", "api_base": base})], [])
+    led.apply([], [("orphan", "live", {}), ("orphan", "lost", {})])
+    led.reconcile_by_key_usage(base, 10.2)  # the lost one's $0.20, shared by both
+    led.apply([], [("settle", "live", {"cost": 0.3})])  # billed later: the key will show 10.50
+    assert led.totals()["a"]["spent"] == pytest.approx(0.5)
+    led.close()
+
+
+def test_orphan_host_leaves_this_processs_own_reservations(tmp_path):
+    from eagledata.generate import budget as B
+
+    led = BudgetLedger(tmp_path / "b.sqlite")
+    reserve(led, "mine", 0.1)
+    led.db.execute("INSERT INTO reservations(ref, dataset, host, pid, state, reserved, created, updated) "
+                   "VALUES('gone', 'a', ?, 1, 'reserved', 0.1, 0, 0)", (B.HOSTNAME + "/other/boot/ns",))
+    assert led.orphan_host(B.HOSTNAME) == 1 and [r["ref"] for r in led.orphans()] == ["gone"]
     led.close()

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     bu.add_argument("--orphan-host", metavar="HOST", action="append", default=[],
                     help="orphan the reservations in flight of jobs on HOST (gone with its machine: its pids cannot "
                          "be checked from here); first, before --reconcile and --release-orphans")
-    bu.set_defaults(func=_lazy("eagledata.generate.budget", "cmd_budget"))
+    bu.set_defaults(func=_lazy("eagledata.generate.budgetcli", "cmd_budget"))
     for name, module, help_ in PASSTHROUGH:
         sp = sub.add_parser(name, help=help_, add_help=False)
         sp.add_argument("rest", nargs=argparse.REMAINDER)

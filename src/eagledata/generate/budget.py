@@ -18,11 +18,15 @@ Orphans are reconciled (settled) from the response cache (the record carries the
 header, the JSON body's or the first stream chunk's ``id``), or from the key's usage delta
 (``GET /key``) since a snapshot taken before they started; see :mod:`eagledata.cli` ``budget``.
 
-Real money and rehearsals are counted apart: a request to a billed backend (OpenRouter) counts
-in its dataset's totals row, one to the stand-in (simulated costs) or a local SGLang server (its
-answers priced at the model's price) in ``dataset@backend`` (:func:`account`), and each cap sums
-only the rows of the request's own backend. A rehearsal on the stand-in never uses up the real
-budget, nor the reverse; ``eagledata budget`` shows them on separate lines.
+Real money and rehearsals are counted apart: a request to a billed backend (OpenRouter) counts in
+its dataset's account, one to the stand-in (simulated costs) or a local SGLang server (its answers
+priced at the model's price) in ``dataset@backend`` (:func:`account`), and each cap sums only the
+accounts of the request's own backend. A rehearsal on the stand-in never uses up the real budget,
+nor the reverse; ``eagledata budget`` (:mod:`eagledata.generate.budgetcli`) shows them apart. The
+accounts' totals are kept by SQL triggers on the reservations, so a job of an earlier eagledata
+still running keeps them right too (it keeps, and decides on, the per-dataset ``totals`` over every
+backend, which this version keeps as well). The asynchronous side a generation job uses is
+:mod:`eagledata.generate.ledgersession`.
 
 Durability: each transaction is committed (WAL, ``synchronous=NORMAL``) before the request is sent,
 so a killed process (even ``kill -9``) never loses a reservation; a power loss may lose the last
@@ -31,17 +35,14 @@ transactions.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import random
 import socket
 import sqlite3
 import time
-import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 from eagledata.errors import EagledataError
 
@@ -50,17 +51,26 @@ HOSTNAME = socket.gethostname()
 LEDGER_NAME = "budget.sqlite"
 
 
+def _machine_id() -> str:
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            return Path(path).read_text().strip()[:12]
+        except OSError:
+            continue
+    return ""
+
+
 def host_identity() -> str:
-    """Where this process's pid means something: the host name, its boot and its PID namespace
-    (``name/boot/pidns``). Two containers that share a host name, or a host rebooted since, are
-    other hosts: their pids cannot be checked from here."""
-    parts = [HOSTNAME]
+    """Where this process's pid means something: ``name/machine/boot/pidns``, the host name, its
+    machine id, boot and PID namespace. Another container with the same host name is another host
+    (its pids cannot be checked from here); the same machine under another boot is one whose
+    processes are all gone. Without /proc (macOS): the bare host name."""
     try:
-        parts.append(Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8])
-        parts.append(os.readlink("/proc/self/ns/pid").removeprefix("pid:[").removesuffix("]"))
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
+        pidns = os.readlink("/proc/self/ns/pid").removeprefix("pid:[").removesuffix("]")
     except OSError:
         return HOSTNAME
-    return "/".join(parts)
+    return "/".join([HOSTNAME, _machine_id(), boot, pidns])
 
 
 HOST = host_identity()
@@ -102,12 +112,37 @@ CREATE TABLE IF NOT EXISTS key_snapshots (
 """
 
 HELD_STATES = ("reserved", "orphaned")
+KEY_USAGE_NOTE = "reconciled from key usage"  # the note of a row settled at a share of the key's unexplained spend
 #: Backends whose spend is money paid on the API key (a reservation's ``backend``; none recorded: OpenRouter).
 BILLED_BACKEND = "openrouter"
-#: The totals row (:func:`account`) of a reservation row, in SQL.
-ACCOUNT_SQL = f"CASE WHEN COALESCE(backend, '{BILLED_BACKEND}')='{BILLED_BACKEND}' THEN dataset ELSE dataset || '@' || backend END"
-#: The ledger's layout version (SQLite's user_version): 1 keeps other backends' totals apart.
-LEDGER_VERSION = 1
+
+
+def _account_sql(row: str = "") -> str:
+    """The account (:func:`account`) of a reservation row, in SQL (``row``: ``NEW.``/``OLD.`` in a trigger)."""
+    return (f"CASE WHEN COALESCE({row}backend, '{BILLED_BACKEND}')='{BILLED_BACKEND}' THEN {row}dataset "
+            f"ELSE {row}dataset || '@' || {row}backend END")
+
+
+def _add_row_sql(row: str, sign: str) -> str:
+    return (f"INSERT INTO account_totals(account, spent, held) VALUES({_account_sql(row)}, "
+            f"{sign}(CASE WHEN {row}state='settled' THEN {row}cost ELSE 0 END), "
+            f"{sign}(CASE WHEN {row}state IN ('reserved', 'orphaned') THEN {row}reserved ELSE 0 END)) "
+            "ON CONFLICT(account) DO UPDATE SET spent=spent+excluded.spent, held=held+excluded.held")
+
+
+#: Spent and held per account, kept by triggers on the reservations, so that every writer keeps
+#: them right, whatever its version (an earlier eagledata still running keeps ``totals``, per
+#: dataset over every backend, which this one keeps too).
+_ACCOUNTS_SCHEMA = [
+    "CREATE TABLE account_totals (account TEXT PRIMARY KEY, spent REAL NOT NULL DEFAULT 0, held REAL NOT NULL DEFAULT 0)",
+    f"INSERT INTO account_totals(account, spent, held) SELECT {_account_sql()}, "
+    "SUM(CASE WHEN state='settled' THEN cost ELSE 0 END), "
+    "SUM(CASE WHEN state IN ('reserved', 'orphaned') THEN reserved ELSE 0 END) FROM reservations GROUP BY 1",
+    f"CREATE TRIGGER account_totals_insert AFTER INSERT ON reservations BEGIN {_add_row_sql('NEW.', '+')}; END",
+    "CREATE TRIGGER account_totals_update AFTER UPDATE OF dataset, backend, state, reserved, cost ON reservations "
+    f"BEGIN {_add_row_sql('OLD.', '-')}; {_add_row_sql('NEW.', '+')}; END",
+    f"CREATE TRIGGER account_totals_delete AFTER DELETE ON reservations BEGIN {_add_row_sql('OLD.', '-')}; END",
+]
 
 
 def account(dataset: str, backend: str | None) -> str:
@@ -147,11 +182,14 @@ def ledger_path(cache_dir: str | Path) -> Path:
 
 def pid_alive(pid: int, host: str | None) -> bool:
     """Whether a reservation's process may still be running. Other hosts (:func:`host_identity`) are
-    assumed alive: their reservations are waited for (:class:`LedgerSession` for a while) and can be
-    orphaned by hand (``eagledata budget --orphan-host``). A row of the bare host name was written
-    before the identity named boot and namespace: checked here, as it was then."""
+    assumed alive: their reservations are waited for (:class:`~eagledata.generate.ledgersession.LedgerSession`,
+    for a while) and can be orphaned by hand (``eagledata budget --orphan-host``), except this
+    machine's under an earlier boot, which are dead. A row of the bare host name was written before
+    the identity named machine, boot and namespace: checked here, as it was then."""
     if host and host not in (HOST, HOSTNAME):
-        return True
+        mine, theirs = HOST.split("/"), host.split("/")
+        # this machine (a known machine id) under an earlier boot: every process of that boot is gone
+        return not (len(mine) == len(theirs) == 4 and mine[1] and theirs[:2] == mine[:2] and theirs[2] != mine[2])
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -178,6 +216,7 @@ class Decision:
     reason: str = ""
     others_in_flight: int = 0  # live reservations of other processes (they may free budget)
     others: str = ""  # those reservations by process: "host pid: n ($held)", for a message
+    others_since: float | None = None  # when the oldest of them was made (time.time())
 
 
 class BudgetLedger:
@@ -202,23 +241,14 @@ class BudgetLedger:
                     for stmt in _SCHEMA.strip().split(";\n"):
                         if stmt.strip():
                             self.db.execute(stmt)
-                    if self.db.execute("PRAGMA user_version").fetchone()[0] < LEDGER_VERSION:
-                        self._rebuild_totals()
-                        self.db.execute(f"PRAGMA user_version={LEDGER_VERSION}")
+                    if not self.db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='account_totals'").fetchone():
+                        for stmt in _ACCOUNTS_SCHEMA:  # once per ledger, with its reservations so far
+                            self.db.execute(stmt)
                 break
             except sqlite3.OperationalError as exc:
                 if "locked" not in str(exc) or time.monotonic() > deadline:
                     raise
                 time.sleep(0.05 + random.random() * 0.1)
-
-    def _rebuild_totals(self) -> None:
-        """The totals from the reservations (a ledger written before :data:`LEDGER_VERSION`, when
-        every backend counted in its dataset's row)."""
-        self.db.execute("DELETE FROM totals")
-        self.db.execute(f"INSERT INTO totals(dataset, spent, held) SELECT {ACCOUNT_SQL}, "
-                        "SUM(CASE WHEN state='settled' THEN cost ELSE 0 END), "
-                        "SUM(CASE WHEN state IN ('reserved', 'orphaned') THEN reserved ELSE 0 END) "
-                        f"FROM reservations GROUP BY {ACCOUNT_SQL}")
 
     def close(self) -> None:
         self.db.close()
@@ -248,19 +278,19 @@ class BudgetLedger:
 
     # -- operations (call inside a transaction) --------------------------------------------------
     def _row(self, ref: str) -> tuple[str, str, float, float] | None:
-        """(account, state, reserved, cost) of a reservation."""
-        return self.db.execute(f"SELECT {ACCOUNT_SQL}, state, reserved, cost FROM reservations WHERE ref=?", (ref,)).fetchone()
+        """(dataset, state, reserved, cost) of a reservation."""
+        return self.db.execute("SELECT dataset, state, reserved, cost FROM reservations WHERE ref=?", (ref,)).fetchone()
 
     def _settle(self, ref: str, cost: float, now: float, **fields: Any) -> bool:
         row = self._row(ref)
         if row is None or row[1] == "settled":
             return False
-        acct, state, reserved, _ = row
+        dataset, state, reserved, _ = row
         sets = {k: v for k, v in fields.items() if v is not None}
         cols = "".join(f", {k}=?" for k in sets)
         self.db.execute(f"UPDATE reservations SET state='settled', cost=?, updated=?{cols} WHERE ref=?",
                         (cost, now, *sets.values(), ref))
-        self._bump(acct, spent=cost, held=-reserved if state in HELD_STATES else 0.0)
+        self._bump(dataset, spent=cost, held=-reserved if state in HELD_STATES else 0.0)
         return True
 
     def _mark_dead(self) -> int:
@@ -274,19 +304,24 @@ class BudgetLedger:
                                      "WHERE state='reserved' AND pid=? AND host=?", (time.time(), pid, host)).rowcount
         return n
 
-    def _others_in_flight(self) -> tuple[int, str]:
-        rows = self.db.execute("SELECT host, pid, COUNT(*), SUM(reserved) FROM reservations WHERE state='reserved' "
-                               "AND NOT (pid=? AND host=?) GROUP BY host, pid ORDER BY host, pid", (self.pid, HOST)).fetchall()
-        return sum(r[2] for r in rows), "; ".join(f"{h} pid {p}: {n} (${held:.4f})" for h, p, n, held in rows[:5])
+    def _others_in_flight(self) -> tuple[int, str, float | None]:
+        """Other processes' reservations in flight: how many, by process (for a message), and when the
+        oldest was made."""
+        rows = self.db.execute("SELECT host, pid, COUNT(*), SUM(reserved), MIN(created) FROM reservations WHERE "
+                               "state='reserved' AND NOT (pid=? AND host=?) GROUP BY host, pid ORDER BY host, pid",
+                               (self.pid, HOST)).fetchall()
+        return (sum(r[2] for r in rows), "; ".join(f"{h} pid {p}: {n} (${held:.4f})" for h, p, n, held, _ in rows[:5]),
+                min((r[4] for r in rows), default=None))
 
     def orphan_host(self, host: str) -> int:
         """Orphan every reservation still in flight of processes on ``host`` (a host identity, or a
         host name for all its boots and namespaces): for a job that died on another machine, whose
-        pids cannot be checked from here. They stay held until reconciled or released."""
+        pids cannot be checked from here. They stay held until reconciled or released. This
+        process's own host and namespace are left out: its pids are checked (:func:`pid_alive`)."""
         with self.transaction():
             return self.db.execute("UPDATE reservations SET state='orphaned', updated=?, note=COALESCE(note, ?) "
-                                   "WHERE state='reserved' AND (host=? OR substr(host, 1, ?)=?)",
-                                   (time.time(), "orphaned by hand: its host's job is gone", host, len(host) + 1,
+                                   "WHERE state='reserved' AND host!=? AND (host=? OR substr(host, 1, ?)=?)",
+                                   (time.time(), "orphaned by hand: its host's job is gone", HOST, host, len(host) + 1,
                                     f"{host}/")).rowcount
 
     # -- batched entry (one transaction) --------------------------------------------------------
@@ -329,9 +364,10 @@ class BudgetLedger:
             rows: dict[str, list[Any]] = {}
             for i in range(0, len(refs), 500):
                 chunk = refs[i:i + 500]
-                q = f"SELECT ref, {ACCOUNT_SQL}, state, reserved, cost FROM reservations WHERE ref IN ({','.join('?' * len(chunk))})"
+                q = (f"SELECT ref, dataset, state, reserved, cost, COALESCE(note, '') LIKE '{KEY_USAGE_NOTE}%' "
+                     f"FROM reservations WHERE ref IN ({','.join('?' * len(chunk))})")
                 rows.update({r[0]: list(r[1:]) for r in self.db.execute(q, chunk)})
-            delta: dict[str, list[float]] = {}  # account -> [spent, held]
+            delta: dict[str, list[float]] = {}  # dataset -> [spent, held] (the totals table)
             settles, orphans, notes, corrections = [], [], [], []
             settled_here: set[str] = set()
             for kind, ref, f in updates:
@@ -346,11 +382,13 @@ class BudgetLedger:
                 if row[1] == "settled":
                     # its own job's answer after another process settled it (a reconciliation or a
                     # release of what looked like an orphan): the answer's cost is what was paid
-                    cost = float(f.get("cost") or 0.0)
+                    # (a key-usage share is someone's unexplained spend, not this answer's: added to, not replaced)
+                    cost = float(f.get("cost") or 0.0) + (row[3] if row[4] else 0.0)
                     if kind == "settle" and ref not in settled_here and abs(cost - row[3]) > EPS:
                         delta.setdefault(row[0], [0.0, 0.0])[0] += cost - row[3]
                         corrections.append((cost, now, f"settled at ${row[3]:.6f} before its answer arrived "
-                                                        f"(reconciled or released); its answer's cost", ref))
+                                                        f"(reconciled or released); {'plus' if row[4] else 'now'} "
+                                                        "its answer's cost", ref))
                         row[3] = cost
                     continue
                 if kind == "settle":
@@ -375,39 +413,38 @@ class BudgetLedger:
                 self.db.executemany(self._SETTLE_SQL, settles)
             if corrections:
                 self.db.executemany("UPDATE reservations SET cost=?, updated=?, note=? WHERE ref=?", corrections)
-            # reservations, decided against totals read once
             if reserves:
-                totals = {ds: [sp, h] for ds, sp, h in self.db.execute("SELECT dataset, spent, held FROM totals")}
-                for ds, (dsp, dh) in delta.items():
-                    t = totals.setdefault(ds, [0.0, 0.0])
-                    t[0] += dsp
-                    t[1] += dh
-                inserts = []
-                checked_others = False
-                for r in reserves:
-                    acct = account(r.dataset, r.meta.get("backend"))
-                    d = self._decide(r, acct, totals)
-                    if not d.granted and not checked_others and not r.ahead:
-                        checked_others = True
-                        if self._mark_dead():  # held amounts unchanged; the in-flight count is now truthful
-                            d = self._decide(r, acct, totals)
-                    if d.granted:
-                        t = totals.setdefault(acct, [0.0, 0.0])
-                        t[1] += r.amount
-                        delta.setdefault(acct, [0.0, 0.0])[1] += r.amount
-                        m = r.meta
-                        inserts.append((r.ref, r.dataset, m.get("backend"), m.get("model"), m.get("item"), m.get("cache_key"),
-                                        m.get("attempt"), HOST, self.pid, r.amount, m.get("api_base"), now, now))
-                    elif not r.ahead:
-                        d.others_in_flight, d.others = self._others_in_flight()
-                    out.append(d)
-                if inserts:
-                    self.db.executemany(
-                        "INSERT INTO reservations(ref, dataset, backend, model, item, cache_key, attempt, host, pid, state,"
-                        " reserved, cost, api_base, created, updated) VALUES(?,?,?,?,?,?,?,?,?,'reserved',?,0,?,?,?)", inserts)
+                out = self._decide_reserves(reserves, now, delta)
             for ds, (dsp, dh) in delta.items():
                 if dsp or dh:
                     self._bump(ds, spent=dsp, held=dh)
+        return out
+
+    def _decide_reserves(self, reserves: list[Reserve], now: float, delta: dict[str, list[float]]) -> list[Decision]:
+        """Decide ``reserves`` in order against the accounts' totals as they stand (this batch's
+        settlements applied), insert those granted and add them to ``delta`` (the totals table)."""
+        totals = {a: [sp, h] for a, sp, h in self.db.execute("SELECT account, spent, held FROM account_totals")}
+        out, inserts, checked_others = [], [], False
+        for r in reserves:
+            acct = account(r.dataset, r.meta.get("backend"))
+            d = self._decide(r, acct, totals)
+            if not d.granted and not checked_others and not r.ahead:
+                checked_others = True
+                if self._mark_dead():  # held amounts unchanged; the in-flight count is now truthful
+                    d = self._decide(r, acct, totals)
+            if d.granted:
+                totals.setdefault(acct, [0.0, 0.0])[1] += r.amount
+                delta.setdefault(r.dataset, [0.0, 0.0])[1] += r.amount
+                m = r.meta
+                inserts.append((r.ref, r.dataset, m.get("backend"), m.get("model"), m.get("item"), m.get("cache_key"),
+                                m.get("attempt"), HOST, self.pid, r.amount, m.get("api_base"), now, now))
+            elif not r.ahead:
+                d.others_in_flight, d.others, d.others_since = self._others_in_flight()
+            out.append(d)
+        if inserts:
+            self.db.executemany(
+                "INSERT INTO reservations(ref, dataset, backend, model, item, cache_key, attempt, host, pid, state,"
+                " reserved, cost, api_base, created, updated) VALUES(?,?,?,?,?,?,?,?,?,'reserved',?,0,?,?,?)", inserts)
         return out
 
     @staticmethod
@@ -492,7 +529,7 @@ class BudgetLedger:
             held = sum(r[1] for r in rows)
             share = min(1.0, unexplained / held) if held > 0 else 0.0
             for ref, reserved, _ in rows:
-                self._settle(ref, reserved * share, now, note=f"reconciled from key usage (share {share:.3f})")
+                self._settle(ref, reserved * share, now, note=f"{KEY_USAGE_NOTE} (share {share:.3f})")
             return {"orphans": len(rows), "settled": len(rows), "unexplained_usd": unexplained, "held_usd": held}
 
     def release_orphans(self, refs: Iterable[str] | None = None) -> int:
@@ -506,7 +543,8 @@ class BudgetLedger:
     # -- queries --------------------------------------------------------------------------------
     def totals(self) -> dict[str, dict[str, float]]:
         """Spent and held per account (:func:`account`: a dataset's real spend under its name)."""
-        return {ds: {"spent": s, "held": h} for ds, s, h in self.db.execute("SELECT dataset, spent, held FROM totals ORDER BY dataset")}
+        return {a: {"spent": s, "held": h}
+                for a, s, h in self.db.execute("SELECT account, spent, held FROM account_totals ORDER BY account")}
 
     def billed_totals(self) -> tuple[float, float]:
         """(spent, held) of the billed backend over every dataset: what ``budget_usd`` caps."""
@@ -515,319 +553,15 @@ class BudgetLedger:
 
     def report(self) -> list[dict[str, Any]]:
         """Spend per dataset and provider (settled cost, held amounts, counts, tokens)."""
-        q = ("SELECT dataset, COALESCE(provider, CASE WHEN state='settled' THEN '(no provider)' ELSE '(pending)' END) AS p, "
+        q = (f"SELECT {_account_sql()} AS acct, COALESCE(provider, CASE WHEN state='settled' THEN '(no provider)' ELSE '(pending)' END) AS p, "
              "COUNT(*), SUM(state='settled' AND (prompt_tokens IS NOT NULL)), SUM(CASE WHEN state='settled' THEN cost ELSE 0 END), "
              "SUM(CASE WHEN state='reserved' THEN reserved ELSE 0 END), SUM(CASE WHEN state='orphaned' THEN reserved ELSE 0 END), "
              "SUM(state='orphaned'), COALESCE(SUM(prompt_tokens),0), COALESCE(SUM(completion_tokens),0) "
-             "FROM reservations GROUP BY dataset, p ORDER BY dataset, p")
+             "FROM reservations GROUP BY acct, p ORDER BY acct, p")
         cols = ("dataset", "provider", "attempts", "answered", "spent_usd", "in_flight_usd", "orphaned_usd", "orphans",
                 "prompt_tokens", "completion_tokens")
         return [dict(zip(cols, r)) for r in self.db.execute(q).fetchall()]
 
 
-_REF_PREFIX = f"{uuid.uuid4().hex[:16]}-"
-_REF_COUNTER = iter(range(1 << 62))
-
-
-def new_ref() -> str:
-    """A reservation id, unique across processes (random per-process prefix + counter)."""
-    return f"{_REF_PREFIX}{next(_REF_COUNTER):x}"
-
-
-class LedgerSession:
-    """A generation job's asynchronous view of the ledger: reservations and settlements are
-    batched into one transaction per flush, run on one background thread (SQLite releases the GIL,
-    so the event loop keeps serving responses while another process holds the write lock)."""
-
-    def __init__(self, ledger: BudgetLedger, dataset: str, budget_usd: float | None, dataset_budget_usd: float | None,
-                 meta: Mapping[str, Any] | None = None, coalesce_s: float = 0.002, others_wait_s: float = OTHERS_WAIT_S):
-        self.ledger, self.dataset = ledger, dataset
-        self.others_wait_s = others_wait_s
-        self.budget_usd, self.dataset_budget_usd = budget_usd, dataset_budget_usd
-        self.meta = dict(meta or {})
-        self._reserves: list[tuple[Reserve, asyncio.Future]] = []
-        self._updates: list[tuple[str, str, dict[str, Any]]] = []
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger")
-        self._flushing: asyncio.Future | None = None
-        self._freed = asyncio.Event()
-        self.spent = 0.0  # settled by this session
-        self.error: BaseException | None = None  # the first failed ledger write (raised again by close())
-        self.on_error: Callable[[BaseException], None] | None = None  # told of that failure at once
-        self._open: set[str] = set()  # granted, neither settled nor orphaned yet
-        self._unclaimed: set[str] = set()  # of those, asked ahead and not yet claimed for a request
-        self._released = 0  # settlements so far (a refused reservation asks again if one came since)
-        self._timer: asyncio.TimerHandle | None = None
-        self.coalesce_s = coalesce_s
-        # SQLite would checkpoint the WAL inside whichever commit fills it, on the event loop's
-        # thread when the lock was free; the session checkpoints on its background thread instead
-        ledger.db.execute("PRAGMA wal_autocheckpoint=0")
-        self._checkpointed = time.monotonic()
-
-    # -- public ---------------------------------------------------------------------------------
-    async def reserve(self, amount: float, stop: asyncio.Event | None = None, **meta: Any) -> str | None:
-        """Reserve ``amount``; waits while budget may be freed by requests in flight (here or in
-        other processes: for at most :attr:`others_wait_s` while only theirs are, since a job that
-        died on another host never settles); raises :class:`BudgetExhausted` when it cannot fit;
-        returns ``None`` if ``stop`` is set while it waits."""
-        waiting_since: float | None = None  # since when only other processes' requests may free budget
-        while True:
-            released = self._released
-            ref = new_ref()
-            fut = asyncio.get_running_loop().create_future()
-            self._reserves.append((Reserve(ref, self.dataset, amount, self.budget_usd, self.dataset_budget_usd,
-                                           {**self.meta, **meta}), fut))
-            self._kick()
-            decision: Decision = await fut
-            if decision.granted:
-                return ref
-            if self._released != released:
-                continue  # a settlement came after the decision's batch: ask again at once
-            if self.in_flight == 0 and decision.others_in_flight == 0:
-                raise BudgetExhausted(decision.reason)
-            if self.in_flight:
-                waiting_since = None
-            elif waiting_since is None:
-                waiting_since = time.monotonic()
-            elif time.monotonic() - waiting_since > self.others_wait_s:
-                raise BudgetExhausted(
-                    f"{decision.reason}; waited {self.others_wait_s:g} s for {decision.others_in_flight} reservation(s) "
-                    f"of other processes that never settled ({decision.others}). If those jobs are gone (a job killed "
-                    "on another machine), orphan them: eagledata budget --orphan-host HOST (then --reconcile)")
-            # requests in flight may settle below their worst case: wait for one, then ask again
-            self._freed.clear()
-            waits = [asyncio.ensure_future(self._freed.wait())]
-            if stop is not None:
-                waits.append(asyncio.ensure_future(stop.wait()))
-            try:
-                await asyncio.wait(waits, timeout=0.25 if decision.others_in_flight else None,
-                                   return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for w in waits:
-                    w.cancel()
-            if stop is not None and stop.is_set():
-                return None
-
-    def reserve_ahead(self, amount: float, **meta: Any) -> asyncio.Future:
-        """Ask now for a reservation that will be needed soon (a worker's next request, asked while
-        its current one is in flight, so that it goes out without waiting for the ledger). The
-        future's result is the reservation's ref when ``amount`` fits at once within
-        :data:`AHEAD_MAX_FILL` of the caps, else ``None`` (then :meth:`reserve` when the time comes). A granted ref that ends up unused must be handed to
-        :meth:`give_back`; until then it is held like any reservation."""
-        fut = asyncio.get_running_loop().create_future()
-        self._reserves.append((Reserve(new_ref(), self.dataset, amount, self.budget_usd, self.dataset_budget_usd,
-                                       {**self.meta, **meta}, ahead=True), fut))
-        self._kick()
-        return fut
-
-    def claim(self, ref: str) -> None:
-        """A :meth:`reserve_ahead` ref is now used for its request (counts as in flight)."""
-        self._unclaimed.discard(ref)
-
-    def give_back(self, ahead: asyncio.Future) -> None:
-        """Release a :meth:`reserve_ahead` whose request was never sent (settled at 0)."""
-        if not ahead.done():
-            ahead.cancel()  # a grant arriving later is settled at 0 by _finish
-        elif not ahead.cancelled() and ahead.exception() is None and ahead.result() is not None:
-            self.settle(ahead.result(), 0.0, note="not sent: job ended")
-
-    def note(self, ref: str, **fields: Any) -> None:
-        self._updates.append(("note", ref, fields))
-        self._kick()
-
-    def settle(self, ref: str, cost: float, **fields: Any) -> None:
-        self._close_ref(ref)
-        self._released += 1
-        self.spent += cost
-        self._updates.append(("settle", ref, {"cost": cost, **fields}))
-        self._kick()
-
-    def orphan(self, ref: str, **fields: Any) -> None:
-        self._close_ref(ref)
-        self._updates.append(("orphan", ref, fields))
-        self._kick()
-
-    @property
-    def in_flight(self) -> int:
-        """Granted reservations in use (a reservation asked ahead counts once claimed): the ones
-        whose settlement may still free budget for a waiting request."""
-        return len(self._open) - len(self._unclaimed)
-
-    def _close_ref(self, ref: str) -> None:
-        self._open.discard(ref)
-        self._unclaimed.discard(ref)
-        self._freed.set()
-
-    async def flush(self) -> None:
-        while self._flushing is not None or self._reserves or self._updates:
-            if self._flushing is None:
-                if self._timer is not None:
-                    self._timer.cancel()
-                    self._timer = None
-                self._start_flush()
-            fut = self._flushing
-            if fut is not None and not fut.done():
-                await asyncio.wait([fut])
-            await asyncio.sleep(0)  # lets the done callback run
-
-    async def close(self, note: str = "job ended with the request in flight") -> None:
-        """Flush; reservations asked ahead and never claimed are settled at 0 (never sent); the
-        others still open (cancelled requests) become orphans."""
-        await self.flush()  # decisions still pending land first
-        for ref in list(self._unclaimed):
-            self.settle(ref, 0.0, note="not sent: job ended")
-        for ref in list(self._open):
-            self.orphan(ref, note=note)
-        await self.flush()
-        try:
-            await asyncio.get_running_loop().run_in_executor(self._executor, self.ledger.checkpoint)
-        except (sqlite3.Error, OSError) as exc:  # a full disk: the committed transactions stay in the WAL
-            self.error = self.error or exc
-        self._executor.shutdown(wait=True)
-        self.ledger.db.execute(f"PRAGMA wal_autocheckpoint={DEFAULT_WAL_AUTOCHECKPOINT}")
-        if self.error is not None:
-            raise self.error
-
-    # -- batching -------------------------------------------------------------------------------
-    def _kick(self) -> None:
-        """Start a flush soon: ``coalesce_s`` later, so that one transaction carries the
-        reservations and settlements of many requests (a reservation waits at most that long)."""
-        if self._timer is None and self._flushing is None and (self._reserves or self._updates):
-            self._timer = asyncio.get_running_loop().call_later(self.coalesce_s, self._start_flush)
-
-    def _start_flush(self) -> None:
-        """Apply the pending batch: on the event loop's thread when the ledger's write lock is free
-        (one short transaction, no thread handoff), else on the background thread, which waits for
-        the lock without stalling the loop."""
-        self._timer = None
-        if self._flushing is None and (self._reserves or self._updates):
-            reserves, self._reserves = self._reserves, []
-            updates, self._updates = self._updates, []
-            batch = [r for r, _ in reserves]
-            checkpoint = time.monotonic() - self._checkpointed >= CHECKPOINT_INTERVAL_S  # due: the thread does it
-            if not checkpoint:
-                try:
-                    decisions = self.ledger.apply(batch, updates, wait=False)
-                except LedgerBusy:
-                    pass
-                except Exception as exc:  # noqa: BLE001 - reported to every waiter and at close()
-                    self._finish(None, exc, reserves)
-                    return
-                else:
-                    self._finish(decisions, None, reserves)
-                    return
-            else:
-                self._checkpointed = time.monotonic()
-            fut = asyncio.get_running_loop().run_in_executor(self._executor, self._apply_in_thread, batch, updates, checkpoint)
-            self._flushing = fut
-            fut.add_done_callback(lambda f: self._finish(None if f.exception() else f.result(), f.exception(), reserves))
-
-    def _apply_in_thread(self, batch: list[Reserve], updates: list[tuple[str, str, dict[str, Any]]],
-                         checkpoint: bool) -> list[Decision]:
-        out = self.ledger.apply(batch, updates)
-        if checkpoint:
-            self.ledger.checkpoint()
-        return out
-
-    def _finish(self, decisions: list[Decision] | None, exc: BaseException | None,
-                reserves: list[tuple[Reserve, asyncio.Future]]) -> None:
-        self._flushing = None
-        if exc is not None and self.error is None:
-            self.error = exc
-            if self.on_error is not None:
-                self.on_error(exc)
-        for i, (r, waiter) in enumerate(reserves):
-            decision = None if decisions is None else decisions[i]
-            granted = decision is not None and decision.granted
-            if waiter.done():  # its requester was cancelled: the request was never sent
-                if granted:
-                    self.settle(r.ref, 0.0, note="not sent: cancelled before the reservation was granted")
-                continue
-            if granted:
-                self._open.add(r.ref)
-                if r.ahead:
-                    self._unclaimed.add(r.ref)
-            if exc is not None:
-                waiter.set_exception(exc)
-            elif r.ahead:
-                waiter.set_result(r.ref if granted else None)
-            else:
-                waiter.set_result(decision)
-        self._kick()
-
-
-def format_report(rows: list[dict[str, Any]], totals: Mapping[str, Mapping[str, float]], budget_usd: float | None,
-                  dataset_budgets: Mapping[str, float | None]) -> str:
-    """The ``eagledata budget`` table: spent and held per dataset, the caps and what is left."""
-    head = f"{'dataset':<16} {'provider':<22} {'attempts':>8} {'spent':>11} {'in flight':>11} {'orphaned':>11} {'tokens in/out':>21}"
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        usd = [f"${r[k]:.4f}" for k in ("spent_usd", "in_flight_usd", "orphaned_usd")]
-        lines.append(f"{r['dataset']:<16} {str(r['provider'])[:22]:<22} {r['attempts']:>8} {usd[0]:>11} {usd[1]:>11} "
-                     f"{usd[2]:>11} {str(r['prompt_tokens']) + '/' + str(r['completion_tokens']):>21}")
-    billed = [t for k, t in totals.items() if account_backend(k) == BILLED_BACKEND]
-    spent, held = sum(t["spent"] for t in billed), sum(t["held"] for t in billed)
-    lines.append(f"total: spent ${spent:.4f}, held ${held:.4f} (in flight + orphaned, counted as spent until reconciled)")
-    for backend in sorted({account_backend(k) for k in totals} - {BILLED_BACKEND}):
-        other = [t for k, t in totals.items() if account_backend(k) == backend]
-        lines.append(f"{backend} (not billed; capped apart from real spend): spent ${sum(t['spent'] for t in other):.4f}, "
-                     f"held ${sum(t['held'] for t in other):.4f}")
-    if budget_usd is not None:
-        lines.append(f"budget_usd {budget_usd:g}: remaining ${budget_usd - spent - held:.4f}")
-    for ds, cap in dataset_budgets.items():
-        if cap is not None:
-            t = totals.get(ds, {"spent": 0.0, "held": 0.0})
-            lines.append(f"datasets.{ds}.budget_usd {cap:g}: remaining ${cap - t['spent'] - t['held']:.4f}")
-    return "\n".join(lines)
-
-
-def cmd_budget(args: Any) -> int:
-    """``eagledata budget [--orphan-host HOST] [--reconcile] [--release-orphans] [--json]``."""
-    import asyncio
-    import json
-    import sys
-
-    from eagledata.config import load_config
-
-    config = load_config(args.config)
-    path = ledger_path(config["cache_dir"])
-    if not path.exists():
-        print(f"eagledata budget: no ledger yet at {path} (nothing was generated with this cache_dir)", file=sys.stderr)
-        return 0 if not (args.reconcile or args.release_orphans or args.orphan_host) else 2
-    ledger = BudgetLedger(path)
-    try:
-        notes = [f"orphaned {ledger.orphan_host(host)} reservation(s) in flight on host {host}" for host in args.orphan_host]
-        if args.reconcile:
-            from eagledata.generate.errors import GenerationError
-            from eagledata.generate.openrouter import api_key, key_usage, reconcile_generations
-
-            try:
-                headers = {"Authorization": f"Bearer {api_key('eagledata budget --reconcile')}"}
-            except GenerationError as exc:
-                print(exc, file=sys.stderr)
-                return 2
-            bases = sorted({r["api_base"] for r in ledger.orphans() if r["api_base"]})
-            for base in bases:
-                notes.append(f"{base}: /generation: {asyncio.run(reconcile_generations(ledger, base, headers))}")
-                usage = asyncio.run(key_usage(base, headers))
-                if usage is not None:
-                    notes.append(f"{base}: /key usage ${usage:.4f}: {ledger.reconcile_by_key_usage(base, usage)}")
-            if not bases:
-                notes.append("no orphaned reservation to reconcile")
-        if args.release_orphans:
-            notes.append(f"released {ledger.release_orphans()} orphaned reservation(s) at $0")
-        rows, totals = ledger.report(), ledger.totals()
-        caps = {ds: (config["datasets"].get(ds) or {}).get("budget_usd") for ds in config["datasets"]}
-        if args.json:
-            print(json.dumps({"ledger": str(path), "budget_usd": config.get("budget_usd"), "rows": rows, "totals": totals,
-                              "orphans": ledger.orphans(), "notes": notes}, indent=1))
-        else:
-            for n in notes:
-                print(n)
-            print(format_report(rows, totals, config.get("budget_usd"), caps))
-            orphans = ledger.orphans()
-            if orphans:
-                print(f"{len(orphans)} orphaned reservation(s) (answers lost: timeouts, cancelled or killed jobs); "
-                      f"`eagledata budget --reconcile` settles them from OpenRouter")
-    finally:
-        ledger.close()
-    return 0
+__all__ = ["BILLED_BACKEND", "BudgetExhausted", "BudgetLedger", "Decision", "LedgerBusy", "OTHERS_WAIT_S", "Reserve", "account",
+           "account_backend", "host_identity", "ledger_path", "pid_alive"]

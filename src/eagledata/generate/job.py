@@ -46,7 +46,8 @@ from eagledata.config import DatasetSettings, dataset_generation, dataset_settin
 from eagledata.eventloop import run as run_event_loop
 from eagledata.eventloop import uvloop_module
 from eagledata.generate.attempts import LEDGER_WRITE_ERRORS, GenerationJob, ledger_write_error
-from eagledata.generate.budget import OTHERS_WAIT_S, BudgetLedger, LedgerSession, account, ledger_path
+from eagledata.generate.budget import OTHERS_WAIT_S, BudgetLedger, account, ledger_path
+from eagledata.generate.ledgersession import LedgerSession
 from eagledata.generate.cache import ResponseCache, import_rescued_answers, keep_paid_answers, write_jsonl_atomic
 from eagledata.generate.dedup import dataset_option
 from eagledata.generate.cachelock import CacheLockTimeout, acquire_writer_lock, lock_wait_s
@@ -294,7 +295,7 @@ async def run_requests(run: Run, ledger: BudgetLedger, progress_stream: Any) -> 
                             run.config["datasets"][run.dataset].get("budget_usd"),
                             {"backend": s.backend, "model": s.api_model,
                              "api_base": None if s.backend == "simulator" else run.api_base},
-                            others_wait_s=max(OTHERS_WAIT_S, 2 * cs.timeout_s + 60))
+                            others_wait_s=others_wait_s(run.config))
     progress = Progress(f"generate {run.dataset}", len(run.todo), run.log, stream=progress_stream)
     cache.open()
     job = run.job = GenerationJob(run.work, list(run.todo.values()), cs, cache, session, progress, run.log, reserve, price)
@@ -323,6 +324,14 @@ async def run_requests(run: Run, ledger: BudgetLedger, progress_stream: Any) -> 
     if job.over_reservation:
         run.log(f"warning: {job.over_reservation} response(s) cost more than their reserved worst case: "
                 f"{price.source} is below the real price; raise it so the budget stays a hard cap")
+
+
+def others_wait_s(config: Mapping[str, Any]) -> float:
+    """How long a request waits on other jobs' reservations only before it calls the oldest stale:
+    :data:`~eagledata.generate.budget.OTHERS_WAIT_S`, or twice the longest attempt timeout of the
+    config's datasets (a live request of any of them settles within that)."""
+    longest = max((float(dataset_generation(config, d).get("timeout_s", 600)) for d in config["datasets"]), default=600.0)
+    return max(OTHERS_WAIT_S, 2 * longest + 60)
 
 
 def answer_wait_s(cs: ClientSettings, t_run: float) -> float:

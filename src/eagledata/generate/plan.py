@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from eagledata.config import DatasetSettings, dataset_settings
-from eagledata.generate.budget import BudgetLedger, ledger_path
+from eagledata.generate.budget import BILLED_BACKEND, BudgetLedger, ledger_path
 from eagledata.generate.cache import ResponseCache
 from eagledata.generate.carryover import carried_records
 from eagledata.generate.prompts import canonical_json
@@ -233,9 +233,11 @@ def plan(config: Mapping[str, Any], datasets: list[str] | None = None) -> dict[s
             ledger.close()
     budget = config.get("budget_usd")
     worst = sum(r["cost_worst"] for r in rows)
+    billed_worst = sum(r["cost_worst"] for r in rows if r["backend"] == BILLED_BACKEND)  # what budget_usd caps
     return {"datasets": rows, "budget_usd": budget, "spent_usd": spent, "held_usd": held,
             "remaining_usd": None if budget is None else budget - spent - held,
-            "cost_low": sum(r["cost_low"] for r in rows), "cost_worst": worst, "ledger": str(path)}
+            "cost_low": sum(r["cost_low"] for r in rows), "cost_worst": worst, "billed_cost_worst": billed_worst,
+            "ledger": str(path)}
 
 
 def format_plan(p: Mapping[str, Any]) -> str:
@@ -257,7 +259,7 @@ def format_plan(p: Mapping[str, Any]) -> str:
     else:
         lines.append(f"budget_usd {p['budget_usd']:g}: spent {usd(p['spent_usd'])}, held {usd(p['held_usd'])}, "
                      f"remaining {usd(p['remaining_usd'])} (ledger {p['ledger']})")
-        if p["remaining_usd"] is not None and p["cost_worst"] > p["remaining_usd"]:
+        if p["remaining_usd"] is not None and p["billed_cost_worst"] > p["remaining_usd"]:
             lines.append("note: the worst case exceeds what is left; generation stops starting requests at the budget "
                          "(completed responses stay cached)")
     for r in p["datasets"]:
