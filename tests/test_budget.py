@@ -637,3 +637,45 @@ def test_orphan_host_leaves_this_processs_own_reservations(tmp_path):
                    "VALUES('gone', 'a', ?, 1, 'reserved', 0.1, 0, 0)", (B.HOSTNAME + "/other/boot/ns",))
     assert led.orphan_host(B.HOSTNAME) == 1 and [r["ref"] for r in led.orphans()] == ["gone"]
     led.close()
+
+
+def test_a_request_that_cannot_fit_does_not_wait_on_unrelated_jobs(tmp_path):
+    """Settled spend alone leaves no room under the dataset's cap: no settlement can help, so it stops
+    at once; and a cap is only waited on for reservations that count in it (not another dataset's
+    when its own dataset cap refused, not the stand-in's when budget_usd refused real money)."""
+    led = BudgetLedger(tmp_path / "b.sqlite")
+    for ref in ("a", "b"):
+        led.apply([Reserve(ref, "x", 0.09, None, None, {"backend": "openrouter"})], [])
+        led.apply([], [("settle", ref, {"cost": 0.09})])
+    for ref, ds, backend in (("other-ds", "y", "openrouter"), ("rehearsal", "x", "simulator")):
+        led.db.execute("INSERT INTO reservations(ref, dataset, backend, host, pid, state, reserved, created, updated) "
+                       "VALUES(?, ?, ?, 'node-9/m/b/1', 1, 'reserved', 0.5, 0, 0)", (ref, ds, backend))
+
+    async def ask(amount: float, cap: float | None, ds_cap: float | None) -> str:
+        session = LedgerSession(led, "x", cap, ds_cap, {"backend": "openrouter"})
+        try:
+            await asyncio.wait_for(session.reserve(amount), 3)
+            return "granted"
+        except BudgetExhausted as exc:
+            return str(exc)
+        except asyncio.TimeoutError:
+            return "still waiting"
+        finally:
+            await session.close()
+
+    assert asyncio.run(ask(0.05, None, 0.20)).startswith("datasets.x.budget_usd 0.2: spent $0.1800")  # hopeless
+    led.db.execute("UPDATE reservations SET state='settled', cost=0 WHERE ref='other-ds'")
+    # budget_usd 1.0: real money spent 0.18, the stand-in's 0.5 in flight does not count in it, so 0.9 never fits
+    assert asyncio.run(ask(0.9, 1.0, None)).startswith("budget_usd 1: spent $0.1800 + held $0.0000")
+    led.close()
+
+
+def test_this_machines_reservations_written_as_name_boot_namespace_are_checked_here(tmp_path, monkeypatch):
+    from eagledata.generate import budget as B
+
+    name, machine, boot, ns = B.HOST.split("/") if B.HOST.count("/") == 3 else pytest.skip("no /proc here")
+    led = BudgetLedger(tmp_path / "b.sqlite")
+    led.db.execute("INSERT INTO reservations(ref, dataset, host, pid, state, reserved, created, updated) "
+                   "VALUES('old', 'a', ?, 999999999, 'reserved', 0.1, 0, 0)", (f"{name}/{boot}/{ns}",))
+    assert led.recover("a", {})["dead"] == 1
+    led.close()

@@ -74,6 +74,8 @@ def host_identity() -> str:
 
 
 HOST = host_identity()
+#: This process's identity as eagledata wrote it for a while (``name/boot/pidns``): still checked here.
+LEGACY_HOST = "/".join(p for i, p in enumerate(HOST.split("/")) if i != 1) if HOST.count("/") == 3 else HOST
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS reservations (
@@ -162,7 +164,7 @@ AHEAD_MAX_FILL = 0.5
 #: (:meth:`LedgerSession.reserve`): longer than any live request takes (the generate job passes its
 #: attempt timeout's worth more), short enough that a job that died on another host stops it.
 OTHERS_WAIT_S = 900.0
-CHECKPOINT_INTERVAL_S = 1.0  # a generation job checkpoints the WAL this often, off the event loop
+CHECKPOINT_INTERVAL_S = 0.25  # a generation job checkpoints the WAL this often, off the event loop
 DEFAULT_WAL_AUTOCHECKPOINT = 1000  # SQLite's default (pages)
 
 
@@ -186,7 +188,7 @@ def pid_alive(pid: int, host: str | None) -> bool:
     for a while) and can be orphaned by hand (``eagledata budget --orphan-host``), except this
     machine's under an earlier boot, which are dead. A row of the bare host name was written before
     the identity named machine, boot and namespace: checked here, as it was then."""
-    if host and host not in (HOST, HOSTNAME):
+    if host and host not in (HOST, HOSTNAME, LEGACY_HOST):
         mine, theirs = HOST.split("/"), host.split("/")
         # this machine (a known machine id) under an earlier boot: every process of that boot is gone
         return not (len(mine) == len(theirs) == 4 and mine[1] and theirs[:2] == mine[:2] and theirs[2] != mine[2])
@@ -217,6 +219,8 @@ class Decision:
     others_in_flight: int = 0  # live reservations of other processes (they may free budget)
     others: str = ""  # those reservations by process: "host pid: n ($held)", for a message
     others_since: float | None = None  # when the oldest of them was made (time.time())
+    hopeless: bool = False  # the settled spend alone leaves no room: no settlement can make it fit
+    cap_account: str | None = None  # refused by this dataset account's cap (None: by budget_usd)
 
 
 class BudgetLedger:
@@ -304,12 +308,14 @@ class BudgetLedger:
                                      "WHERE state='reserved' AND pid=? AND host=?", (time.time(), pid, host)).rowcount
         return n
 
-    def _others_in_flight(self) -> tuple[int, str, float | None]:
-        """Other processes' reservations in flight: how many, by process (for a message), and when the
-        oldest was made."""
+    def _others_in_flight(self, acct: str, dataset_cap: bool) -> tuple[int, str, float | None]:
+        """Other processes' reservations in flight that count in the cap that refused a request of
+        ``acct`` (its dataset's cap: that account's; ``budget_usd``: its backend's): how many, by
+        process (for a message), and when the oldest was made."""
+        which = f"{_account_sql()}=?" if dataset_cap else f"COALESCE(backend, '{BILLED_BACKEND}')=?"
         rows = self.db.execute("SELECT host, pid, COUNT(*), SUM(reserved), MIN(created) FROM reservations WHERE "
-                               "state='reserved' AND NOT (pid=? AND host=?) GROUP BY host, pid ORDER BY host, pid",
-                               (self.pid, HOST)).fetchall()
+                               f"state='reserved' AND NOT (pid=? AND host=?) AND {which} GROUP BY host, pid ORDER BY host, pid",
+                               (self.pid, HOST, acct if dataset_cap else account_backend(acct))).fetchall()
         return (sum(r[2] for r in rows), "; ".join(f"{h} pid {p}: {n} (${held:.4f})" for h, p, n, held, _ in rows[:5]),
                 min((r[4] for r in rows), default=None))
 
@@ -439,7 +445,7 @@ class BudgetLedger:
                 inserts.append((r.ref, r.dataset, m.get("backend"), m.get("model"), m.get("item"), m.get("cache_key"),
                                 m.get("attempt"), HOST, self.pid, r.amount, m.get("api_base"), now, now))
             elif not r.ahead:
-                d.others_in_flight, d.others, d.others_since = self._others_in_flight()
+                d.others_in_flight, d.others, d.others_since = self._others_in_flight(acct, d.cap_account is not None)
             out.append(d)
         if inserts:
             self.db.executemany(
@@ -459,10 +465,12 @@ class BudgetLedger:
         if r.budget_usd is not None and s_all + h_all + r.amount > fill * r.budget_usd + EPS:
             what = "" if backend == BILLED_BACKEND else f" (the {backend} backend's own spend, counted apart from real spend)"
             return Decision(False, f"budget_usd {r.budget_usd:g}{what}: spent ${s_all:.4f} + held ${h_all:.4f} "
-                                   f"+ this request's worst case ${r.amount:.4f} would pass {limit}")
+                                   f"+ this request's worst case ${r.amount:.4f} would pass {limit}",
+                            hopeless=s_all + r.amount > r.budget_usd + EPS)
         if r.dataset_budget_usd is not None and s_ds + h_ds + r.amount > fill * r.dataset_budget_usd + EPS:
             return Decision(False, f"datasets.{r.dataset}.budget_usd {r.dataset_budget_usd:g}: spent ${s_ds:.4f} + "
-                                   f"held ${h_ds:.4f} + this request's worst case ${r.amount:.4f} would pass {limit}")
+                                   f"held ${h_ds:.4f} + this request's worst case ${r.amount:.4f} would pass {limit}",
+                            hopeless=s_ds + r.amount > r.dataset_budget_usd + EPS, cap_account=acct)
         return Decision(True)
 
     # -- recovery and reconciliation ------------------------------------------------------------

@@ -72,8 +72,8 @@ class LedgerSession:
                 return ref
             if self._released != released:
                 continue  # a settlement came after the decision's batch: ask again at once
-            if self.in_flight == 0 and decision.others_in_flight == 0:
-                raise BudgetExhausted(decision.reason)
+            if decision.hopeless or (self.in_flight == 0 and decision.others_in_flight == 0):
+                raise BudgetExhausted(decision.reason)  # (hopeless: what is settled already leaves no room)
             stale = decision.others_since is not None and time.time() - decision.others_since > self.others_wait_s
             if self.in_flight:
                 waiting_since = None
