@@ -664,9 +664,18 @@ def test_a_request_that_cannot_fit_does_not_wait_on_unrelated_jobs(tmp_path):
             await session.close()
 
     assert asyncio.run(ask(0.05, None, 0.20)).startswith("datasets.x.budget_usd 0.2: spent $0.1800")  # hopeless
+    # refused, not hopeless: an orphan of x is held (no request in flight can free it); the requests in
+    # flight are another dataset's and the stand-in's, which do not count in x's cap: no wait
+    led.apply([Reserve("lost", "x", 0.1, None, None, {"backend": "openrouter"})], [])
+    led.apply([], [("orphan", "lost", {})])
+    assert asyncio.run(ask(0.05, None, 0.30)).startswith("datasets.x.budget_usd 0.3: spent $0.1800 + held $0.1000")
+    # budget_usd 0.4 refuses real money (0.18 + 0.1 held + 0.05 + y's 0.5 in flight): y's request counts, so it waits
+    assert asyncio.run(ask(0.05, 0.4, None)) == "still waiting"
     led.db.execute("UPDATE reservations SET state='settled', cost=0 WHERE ref='other-ds'")
+    # ... and without it only the stand-in's request is in flight, which does not count in real money
+    assert asyncio.run(ask(0.05, 0.3, None)).startswith("budget_usd 0.3: spent $0.1800 + held $0.1000")
     # budget_usd 1.0: real money spent 0.18, the stand-in's 0.5 in flight does not count in it, so 0.9 never fits
-    assert asyncio.run(ask(0.9, 1.0, None)).startswith("budget_usd 1: spent $0.1800 + held $0.0000")
+    assert asyncio.run(ask(0.9, 1.0, None)).startswith("budget_usd 1: spent $0.1800 + held $0.1000")
     led.close()
 
 
@@ -679,3 +688,23 @@ def test_this_machines_reservations_written_as_name_boot_namespace_are_checked_h
                    "VALUES('old', 'a', ?, 999999999, 'reserved', 0.1, 0, 0)", (f"{name}/{boot}/{ns}",))
     assert led.recover("a", {})["dead"] == 1
     led.close()
+
+
+def test_one_request_too_big_for_what_is_left_lets_the_job_finish_the_others_first(tmp_path, k25, monkeypatch):
+    """A worst case that no longer fits stops the job only once its own requests in flight are done:
+    the other workers' smaller requests that still fit go on (found by a review)."""
+    monkeypatch.setenv("OPENROUTER_API_KEY", API_KEY)
+    tok, fam = k25
+    price = {"prompt": 1.0, "completion": 10.0}
+    lines = [json.dumps({"id": f"q{i:03d}", "messages": [{"role": "user", "content": f"Prompt q{i}: explain item {i}."
+                                                          + (" lorem ipsum dolor" * 12000 if i == 30 else "")}]})
+             for i in range(60)]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(lines) + "\n")
+    with SimulatorServer(tok, fam, seed=5, latency_ms=100, price_per_mtok=price) as sim:
+        cfg = make_config(tmp_path, prompts, tok.source, api_base=sim.base_url, max_tokens=40, concurrency=4)
+        cfg["models"]["m"]["price_per_mtok"] = price
+        cfg["budget_usd"] = 0.05
+        with pytest.raises(JobStopped, match="budget_usd"):
+            generate_dataset(cfg, "d", tmp_path / "out.jsonl", log=quiet)
+    assert len(read_jsonl(tmp_path / "cache" / "d" / "responses.jsonl")) >= 50  # 30 when it stopped at once

@@ -72,8 +72,11 @@ class LedgerSession:
                 return ref
             if self._released != released:
                 continue  # a settlement came after the decision's batch: ask again at once
-            if decision.hopeless or (self.in_flight == 0 and decision.others_in_flight == 0):
-                raise BudgetExhausted(decision.reason)  # (hopeless: what is settled already leaves no room)
+            # nothing of this job in flight, and no other job's request that counts in the refusing cap
+            # (or the settled spend alone leaves no room): no settlement can make it fit. With requests
+            # of its own in flight it waits for them (a smaller request of this job may fit after).
+            if self.in_flight == 0 and (decision.hopeless or decision.others_in_flight == 0):
+                raise BudgetExhausted(decision.reason)
             stale = decision.others_since is not None and time.time() - decision.others_since > self.others_wait_s
             if self.in_flight:
                 waiting_since = None
