@@ -1,12 +1,14 @@
 """The budget ledger: reservations against global and per-dataset caps, settlement, orphans of dead
 processes and their reconciliation, two generate processes with 256 requests in flight each sharing
-one ledger, and the plan/budget commands."""
+one ledger, and the plan/budget commands; accounts (real money apart from the stand-in's), jobs on
+other machines and namespaces, answers arriving after their reservation was reconciled."""
 from __future__ import annotations
 
 import asyncio
 import json
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -26,6 +28,25 @@ pytestmark = pytest.mark.timing  # runs alone under xdist (tests/conftest.py)
 def reserve(ledger: BudgetLedger, ref: str, amount: float, dataset: str = "a", cap: float | None = 1.0,
             ds_cap: float | None = None):
     return ledger.apply([Reserve(ref, dataset, amount, cap, ds_cap)], [])[0]
+
+
+def reserve_outcome(led: BudgetLedger, amount: float, timeout: float, dataset: str = "d", cap: float | None = 1.0,
+                    ds_cap: float | None = None, **session: Any) -> str:
+    """What a job's request for ``amount`` meets within ``timeout`` s: "granted", the
+    BudgetExhausted message, or "still waiting"."""
+    async def ask() -> str:
+        s = LedgerSession(led, dataset, cap, ds_cap, **session)
+        try:
+            await asyncio.wait_for(s.reserve(amount), timeout)
+            return "granted"
+        except BudgetExhausted as exc:
+            return str(exc)
+        except asyncio.TimeoutError:
+            return "still waiting"
+        finally:
+            await s.close()
+
+    return asyncio.run(ask())
 
 
 def hold_write_lock(path, seconds: float) -> subprocess.Popen:
@@ -394,17 +415,7 @@ def test_a_job_gone_with_another_machine_stops_a_waiting_request_then_can_be_orp
     led = BudgetLedger(path)
     assert led.recover("d", {}) == {"dead": 0, "recovered": 0}  # another host's pids cannot be checked here
 
-    async def wait_for_room() -> str:
-        session = LedgerSession(led, "d", 1.0, None, others_wait_s=0.6)
-        try:
-            await asyncio.wait_for(session.reserve(0.5), 20)
-            return "granted"
-        except BudgetExhausted as exc:
-            return str(exc)
-        finally:
-            await session.close()
-
-    message = asyncio.run(wait_for_room())  # before: polled every 0.25 s, for ever
+    message = reserve_outcome(led, 0.5, 20, others_wait_s=0.6)  # before: polled every 0.25 s, for ever
     assert "some older than that" in message and "node-17/0000abcd/4026531836 pid" in message
     assert "eagledata budget --orphan-host" in message
     generate_cmd(make_config(tmp_path, write_prompts(tmp_path / "p.jsonl", 1), k25[0].source), tmp_path, name="c")
@@ -579,23 +590,11 @@ def test_a_request_waiting_on_a_live_job_that_keeps_settling_is_not_stopped(tmp_
             time.sleep(0.05)
         other.close()
 
-    async def wait_for_room() -> str:
-        session = LedgerSession(led, "d", 1.0, None, others_wait_s=0.3)
-        try:
-            await asyncio.wait_for(session.reserve(0.5), 1.5)
-            return "granted"
-        except BudgetExhausted as exc:
-            return f"stopped: {exc}"
-        except asyncio.TimeoutError:
-            return "still waiting"
-        finally:
-            await session.close()
-
     t = threading.Thread(target=busy_other_job)
     t.start()
     try:
         time.sleep(0.2)
-        assert asyncio.run(wait_for_room()) == "still waiting"
+        assert reserve_outcome(led, 0.5, 1.5, others_wait_s=0.3) == "still waiting"
     finally:
         done.set()
         t.join()
@@ -651,31 +650,22 @@ def test_a_request_that_cannot_fit_does_not_wait_on_unrelated_jobs(tmp_path):
         led.db.execute("INSERT INTO reservations(ref, dataset, backend, host, pid, state, reserved, created, updated) "
                        "VALUES(?, ?, ?, 'node-9/m/b/1', 1, 'reserved', 0.5, 0, 0)", (ref, ds, backend))
 
-    async def ask(amount: float, cap: float | None, ds_cap: float | None) -> str:
-        session = LedgerSession(led, "x", cap, ds_cap, {"backend": "openrouter"})
-        try:
-            await asyncio.wait_for(session.reserve(amount), 3)
-            return "granted"
-        except BudgetExhausted as exc:
-            return str(exc)
-        except asyncio.TimeoutError:
-            return "still waiting"
-        finally:
-            await session.close()
+    def ask(amount: float, cap: float | None, ds_cap: float | None) -> str:
+        return reserve_outcome(led, amount, 3, "x", cap, ds_cap, meta={"backend": "openrouter"})
 
-    assert asyncio.run(ask(0.05, None, 0.20)).startswith("datasets.x.budget_usd 0.2: spent $0.1800")  # hopeless
+    assert ask(0.05, None, 0.20).startswith("datasets.x.budget_usd 0.2: spent $0.1800")  # hopeless
     # refused, not hopeless: an orphan of x is held (no request in flight can free it); the requests in
     # flight are another dataset's and the stand-in's, which do not count in x's cap: no wait
     led.apply([Reserve("lost", "x", 0.1, None, None, {"backend": "openrouter"})], [])
     led.apply([], [("orphan", "lost", {})])
-    assert asyncio.run(ask(0.05, None, 0.30)).startswith("datasets.x.budget_usd 0.3: spent $0.1800 + held $0.1000")
+    assert ask(0.05, None, 0.30).startswith("datasets.x.budget_usd 0.3: spent $0.1800 + held $0.1000")
     # budget_usd 0.4 refuses real money (0.18 + 0.1 held + 0.05 + y's 0.5 in flight): y's request counts, so it waits
-    assert asyncio.run(ask(0.05, 0.4, None)) == "still waiting"
+    assert ask(0.05, 0.4, None) == "still waiting"
     led.db.execute("UPDATE reservations SET state='settled', cost=0 WHERE ref='other-ds'")
     # ... and without it only the stand-in's request is in flight, which does not count in real money
-    assert asyncio.run(ask(0.05, 0.3, None)).startswith("budget_usd 0.3: spent $0.1800 + held $0.1000")
+    assert ask(0.05, 0.3, None).startswith("budget_usd 0.3: spent $0.1800 + held $0.1000")
     # budget_usd 1.0: real money spent 0.18, the stand-in's 0.5 in flight does not count in it, so 0.9 never fits
-    assert asyncio.run(ask(0.9, 1.0, None)).startswith("budget_usd 1: spent $0.1800 + held $0.1000")
+    assert ask(0.9, 1.0, None).startswith("budget_usd 1: spent $0.1800 + held $0.1000")
     led.close()
 
 
