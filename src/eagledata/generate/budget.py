@@ -119,10 +119,21 @@ KEY_USAGE_NOTE = "reconciled from key usage"  # the note of a row settled at a s
 BILLED_BACKEND = "openrouter"
 
 
+def _backend_sql(row: str = "") -> str:
+    """The backend of a reservation row, in SQL (none recorded: the billed one)."""
+    return f"COALESCE({row}backend, '{BILLED_BACKEND}')"
+
+
 def _account_sql(row: str = "") -> str:
     """The account (:func:`account`) of a reservation row, in SQL (``row``: ``NEW.``/``OLD.`` in a trigger)."""
-    return (f"CASE WHEN COALESCE({row}backend, '{BILLED_BACKEND}')='{BILLED_BACKEND}' THEN {row}dataset "
+    return (f"CASE WHEN {_backend_sql(row)}='{BILLED_BACKEND}' THEN {row}dataset "
             f"ELSE {row}dataset || '@' || {row}backend END")
+
+
+def backend_totals(totals: Mapping[str, Mapping[str, float]], backend: str) -> tuple[float, float]:
+    """(spent, held) over the accounts of ``backend`` in ``totals`` (:meth:`BudgetLedger.totals`)."""
+    rows = [t for name, t in totals.items() if account_backend(name) == backend]
+    return sum(t["spent"] for t in rows), sum(t["held"] for t in rows)
 
 
 def _add_row_sql(row: str, sign: str) -> str:
@@ -312,7 +323,7 @@ class BudgetLedger:
         """Other processes' reservations in flight that count in the cap that refused a request of
         ``acct`` (its dataset's cap: that account's; ``budget_usd``: its backend's): how many, by
         process (for a message), and when the oldest was made."""
-        which = f"{_account_sql()}=?" if dataset_cap else f"COALESCE(backend, '{BILLED_BACKEND}')=?"
+        which = f"{_account_sql()}=?" if dataset_cap else f"{_backend_sql()}=?"
         rows = self.db.execute("SELECT host, pid, COUNT(*), SUM(reserved), MIN(created) FROM reservations WHERE "
                                f"state='reserved' AND NOT (pid=? AND host=?) AND {which} GROUP BY host, pid ORDER BY host, pid",
                                (self.pid, HOST, acct if dataset_cap else account_backend(acct))).fetchall()
@@ -431,6 +442,7 @@ class BudgetLedger:
         settlements applied), insert those granted and add them to ``delta`` (the totals table)."""
         totals = {a: [sp, h] for a, sp, h in self.db.execute("SELECT account, spent, held FROM account_totals")}
         out, inserts, checked_others = [], [], False
+        others: dict[tuple[str, bool], tuple[int, str, float | None]] = {}  # other processes' rows: same in a batch
         for r in reserves:
             acct = account(r.dataset, r.meta.get("backend"))
             d = self._decide(r, acct, totals)
@@ -445,7 +457,10 @@ class BudgetLedger:
                 inserts.append((r.ref, r.dataset, m.get("backend"), m.get("model"), m.get("item"), m.get("cache_key"),
                                 m.get("attempt"), HOST, self.pid, r.amount, m.get("api_base"), now, now))
             elif not r.ahead:
-                d.others_in_flight, d.others, d.others_since = self._others_in_flight(acct, d.cap_account is not None)
+                scope = (acct, d.cap_account is not None)
+                if scope not in others:
+                    others[scope] = self._others_in_flight(*scope)
+                d.others_in_flight, d.others, d.others_since = others[scope]
             out.append(d)
         if inserts:
             self.db.executemany(
@@ -520,7 +535,7 @@ class BudgetLedger:
         with self.transaction():
             # orphans of requests sent with the key to ``api_base``: a stand-in's or SGLang's are not
             rows = self.db.execute("SELECT ref, reserved, created FROM reservations WHERE state='orphaned' AND "
-                                   "generation_id IS NULL AND COALESCE(backend, 'openrouter')='openrouter' AND "
+                                   f"generation_id IS NULL AND {_backend_sql()}='{BILLED_BACKEND}' AND "
                                    "(api_base=? OR api_base IS NULL)", (api_base,)).fetchall()
             if not rows:
                 return {"orphans": 0, "settled": 0}
@@ -531,7 +546,7 @@ class BudgetLedger:
                 return {"orphans": len(rows), "settled": 0, "reason": "no key-usage snapshot older than the orphans"}
             # only what this key paid for: a stand-in's or SGLang's simulated costs sharing the ledger are not
             known = self.db.execute("SELECT COALESCE(SUM(cost),0) FROM reservations WHERE state='settled' AND created>=? "
-                                    "AND COALESCE(backend, 'openrouter')='openrouter' AND (api_base=? OR api_base IS NULL)",
+                                    f"AND {_backend_sql()}='{BILLED_BACKEND}' AND (api_base=? OR api_base IS NULL)",
                                     (snap[0], api_base)).fetchone()[0]
             unexplained = max(0.0, usage_now - snap[1] - known)
             held = sum(r[1] for r in rows)
@@ -556,8 +571,7 @@ class BudgetLedger:
 
     def billed_totals(self) -> tuple[float, float]:
         """(spent, held) of the billed backend over every dataset: what ``budget_usd`` caps."""
-        t = [v for k, v in self.totals().items() if account_backend(k) == BILLED_BACKEND]
-        return sum(v["spent"] for v in t), sum(v["held"] for v in t)
+        return backend_totals(self.totals(), BILLED_BACKEND)
 
     def report(self) -> list[dict[str, Any]]:
         """Spend per dataset and provider (settled cost, held amounts, counts, tokens)."""
@@ -572,4 +586,4 @@ class BudgetLedger:
 
 
 __all__ = ["BILLED_BACKEND", "BudgetExhausted", "BudgetLedger", "Decision", "LedgerBusy", "OTHERS_WAIT_S", "Reserve", "account",
-           "account_backend", "host_identity", "ledger_path", "pid_alive"]
+           "account_backend", "backend_totals", "host_identity", "ledger_path", "pid_alive"]

@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from eagledata.config import dataset_settings
-from eagledata.generate.budget import BILLED_BACKEND, BudgetLedger, account, account_backend, ledger_path
+from eagledata.generate.budget import BILLED_BACKEND, BudgetLedger, account, account_backend, backend_totals, ledger_path
+
 
 def format_report(rows: list[dict[str, Any]], totals: Mapping[str, Mapping[str, float]], budget_usd: float | None,
                   dataset_budgets: Mapping[str, float | None]) -> str:
@@ -20,13 +21,11 @@ def format_report(rows: list[dict[str, Any]], totals: Mapping[str, Mapping[str, 
         usd = [f"${r[k]:.4f}" for k in ("spent_usd", "in_flight_usd", "orphaned_usd")]
         lines.append(f"{r['dataset']:<16} {str(r['provider'])[:22]:<22} {r['attempts']:>8} {usd[0]:>11} {usd[1]:>11} "
                      f"{usd[2]:>11} {str(r['prompt_tokens']) + '/' + str(r['completion_tokens']):>21}")
-    billed = [t for k, t in totals.items() if account_backend(k) == BILLED_BACKEND]
-    spent, held = sum(t["spent"] for t in billed), sum(t["held"] for t in billed)
+    spent, held = backend_totals(totals, BILLED_BACKEND)
     lines.append(f"total: spent ${spent:.4f}, held ${held:.4f} (in flight + orphaned, counted as spent until reconciled)")
     for backend in sorted({account_backend(k) for k in totals} - {BILLED_BACKEND}):
-        other = [t for k, t in totals.items() if account_backend(k) == backend]
-        lines.append(f"{backend} (not billed; capped apart from real spend): spent ${sum(t['spent'] for t in other):.4f}, "
-                     f"held ${sum(t['held'] for t in other):.4f}")
+        other_spent, other_held = backend_totals(totals, backend)
+        lines.append(f"{backend} (not billed; capped apart from real spend): spent ${other_spent:.4f}, held ${other_held:.4f}")
     if budget_usd is not None:
         lines.append(f"budget_usd {budget_usd:g}: remaining ${budget_usd - spent - held:.4f}")
     for ds, cap in dataset_budgets.items():  # ``ds``: the dataset's account (its backend's spend)
