@@ -173,3 +173,18 @@ def test_claiming_happens_before_torch_is_imported():
             "from eagledata.export import common, specforge, speculators, trainers; "
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+
+
+def test_cli_runs_the_command_after_double_dash_with_options_before_it(box, tmp_path):
+    """``python -m eagledata.extract.gpus N --lock-dir D -- CMD``: the options before ``--`` are the
+    tool's, the command after it runs with its devices pinned; the locks are taken in D."""
+    lock_dir = tmp_path / "cli-locks"
+    cmd = [sys.executable, "-m", "eagledata.extract.gpus", "2", "--lock-dir", str(lock_dir), "--timeout", "5",
+           "--", sys.executable, "-c", "import os; print('pinned', os.environ['CUDA_VISIBLE_DEVICES'])"]
+    out = subprocess.run(cmd, env=box["env"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["pinned", "0,1"]
+    assert sorted(p.name for p in lock_dir.glob("gpu-*.lock")) == ["gpu-0.lock", "gpu-1.lock"]
+    # without a command it prints the claimed devices
+    out = subprocess.run(cmd[:8], env=box["env"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "0,1", out.stderr

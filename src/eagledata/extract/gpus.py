@@ -27,6 +27,7 @@ import fcntl
 import logging
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Iterable
@@ -189,10 +190,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("n", type=int)
     p.add_argument("--lock-dir", default=None)
     p.add_argument("--timeout", type=float, default=24 * 3600)
-    p.add_argument("cmd", nargs=argparse.REMAINDER)
-    a = p.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # the command is everything after the first "--" (argparse's REMAINDER would swallow the options
+    # after N as the command)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    a = p.parse_args(argv[:cut])
     ids = claim_gpus(a.n, a.lock_dir, timeout_s=a.timeout)
-    cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
+    cmd = argv[cut + 1:]
     if not cmd:
         print(",".join(ids))
         return 0
