@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from eagledata.errors import EagledataError
 from eagledata.generate.errors import GenerationError
+from eagledata.generate.respell import Spellings, settings_spelling, settings_text
 from eagledata.generate.rescue import RESCUE_ENV, RescueFile, find_rescue_files, free_space, read_rescue_lines
 from eagledata.io import atomic_path
 
@@ -50,6 +51,9 @@ class ResponseCache:
         self.path = Path(path)
         self.index: dict[str, tuple[int, int]] = {}
         self.refs: dict[str, dict[str, Any]] = {}
+        # the settings spellings of the records with an integral float (eagledata.generate.respell)
+        self.spellings: Spellings = {}
+        self._settings_seen: set[bytes | str] = set()
         self.skipped_lines = 0
         self.pending: list[tuple[str, bytes]] = []  # received, not (known to be) in the file
         self.write_error: str | None = None
@@ -68,6 +72,8 @@ class ResponseCache:
     def load(self) -> dict[str, tuple[int, int]]:
         self.index.clear()
         self.refs.clear()
+        self.spellings.clear()
+        self._settings_seen.clear()
         if not self.path.exists():
             return self.index
         offset = 0
@@ -83,6 +89,14 @@ class ResponseCache:
 
     def _index_line(self, rec: Mapping[str, Any], offset: int, length: int) -> None:
         self.index[rec["cache_key"]] = (offset, length)
+        request = rec.get("request")
+        if isinstance(request, dict):  # the settings spellings, each looked at once
+            seen = settings_text(request)
+            if seen not in self._settings_seen:
+                self._settings_seen.add(seen)
+                spelling = settings_spelling(request)
+                if spelling is not None:
+                    self.spellings.setdefault(spelling[0], set()).add(spelling[1])
         if rec.get("ledger_ref"):
             self.refs[rec["ledger_ref"]] = {"cost": rec.get("cost"), "provider": rec.get("provider"),
                                             "generation_id": rec.get("generation_id")}

@@ -60,6 +60,7 @@ from eagledata.generate.prompts import read_prompts
 from eagledata.generate.requests import (DEFAULT_API_BASE, DatasetWork, WorkItem, dataset_work, normalized_api_base,
                                          uses_native_endpoint)
 from eagledata.generate.rescue import free_space
+from eagledata.generate.respell import take_respelled
 from eagledata.generate.retries import ClientSettings
 from eagledata.generate.turns import TurnPlanner, TurnState, conversation_summary
 from eagledata.io import atomic_write_json
@@ -94,6 +95,7 @@ class Run:
     turn_state: TurnState | None = None
     rounds: int = 0
     carried: dict[str, int] = field(default_factory=dict)  # answers carried over, per dataset they came from
+    respelled: int = 0  # answers cached under another spelling of the same settings (eagledata.generate.respell)
 
 
 def never_failing(log: Log) -> Log:
@@ -158,11 +160,33 @@ def open_cache(run: Run) -> None:
     for it in run.work.items:
         if it.cache_key not in index:
             run.todo.setdefault(it.cache_key, it)
+    take_respelled_answers(run)
     carry_answers(run)
     run.n_cached = sum(1 for it in run.work.items if it.cache_key in index)
     s = run.settings
     run.log(f"generate {run.dataset}: {len(run.work.prompts)} prompts, {len(run.work.items)} samples; {run.n_cached} "
             f"cached in {cache.path}, {len(run.todo)} to request ({s.backend}, model {s.api_model})")
+
+
+def take_respelled_answers(run: Run) -> None:
+    """Take, for the samples to request, the answers this dataset's cache holds under another
+    spelling of the same settings numbers (``temperature: 1`` and ``1.0``: one request;
+    :mod:`eagledata.generate.respell`). ``turns: all``: each one taken may make the conversation's next
+    turn known, so the conversations are followed again until nothing more is found."""
+    cache = run.cache
+    assert cache is not None
+    taken = 0
+    while run.todo:
+        n = take_respelled(cache, run.todo.values(), run.work.salt)
+        taken += n
+        run.todo = {k: it for k, it in run.todo.items() if k not in cache.index}
+        if not n or run.planner is None:
+            break
+        advance_turns(run)
+    if taken:
+        run.respelled += taken
+        run.log(f"generate {run.dataset}: {taken} answer(s) cached under another spelling of the same settings "
+                "(an integer written as a float, or the reverse: 1 and 1.0) taken, not requested again")
 
 
 def carry_answers(run: Run) -> None:
@@ -191,6 +215,7 @@ def carry_answers(run: Run) -> None:
         if run.planner is None:
             break
         advance_turns(run)
+        take_respelled_answers(run)
 
 
 def advance_turns(run: Run) -> dict[str, WorkItem]:
@@ -371,7 +396,7 @@ def summarize(run: Run, output_path: str | Path, elapsed: float) -> dict[str, An
     assert run.cache is not None
     summary: dict[str, Any] = {"dataset": run.dataset, "backend": s.backend, "model": s.api_model,
                                "samples": len(run.work.items), "cached": run.n_cached, "requested": n_todo,
-                               "carried_over": dict(run.carried)}
+                               "carried_over": dict(run.carried), "respelled": run.respelled}
     summary.update({
         "http_requests": job.http_requests if job else 0, "ok": job.progress.ok if job else 0,
         "errors": ([{**e, "final": True} for e in job.final_errors]

@@ -1,0 +1,131 @@
+"""One request, two spellings (eagledata.generate.respell): a config that writes ``temperature: 1``
+where it wrote ``1.0`` (or the reverse) sends nothing again; the answers cached under the other
+spelling are output as received. Generated against the stand-in on loopback."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+import yaml
+
+from eagledata.generate.job import generate_dataset
+from eagledata.generate.plan import plan_dataset
+from eagledata.generate.respell import as_integers, settings_spelling
+from eagledata.standin.server import SimulatorServer
+from gen_helpers import API_KEY, generate_cmd, ledger_rows, make_config, quiet, read_jsonl, write_prompts
+
+
+def test_integral_floats_read_as_integers_and_nothing_else():
+    value = {"temperature": 1.0, "top_p": 0.95, "flag": True, "n": [2.0, 2.5, False], "x": float("inf")}
+    assert as_integers(value) == {"temperature": 1, "top_p": 0.95, "flag": True, "n": [2, 2.5, False], "x": float("inf")}
+    assert type(as_integers(1.0)) is int and as_integers(True) is True
+    # the content is never a settings spelling; a request without an integral float has none to keep
+    assert settings_spelling({"messages": [{"role": "user", "content": 1.0}], "temperature": 0.5}) is None
+    assert settings_spelling({"messages": [], "temperature": 1.0, "max_tokens": 64}) == \
+        ('{"max_tokens":64,"temperature":1}', '{"max_tokens":64,"temperature":1.0}')
+
+
+@pytest.fixture
+def sim(k25, monkeypatch):
+    monkeypatch.setenv("OPENROUTER_API_KEY", API_KEY)
+    server = SimulatorServer(*k25, seed=2).start()
+    yield server
+    server.stop()
+
+
+def with_generation(cfg: dict, **settings) -> dict:
+    out = json.loads(json.dumps(cfg))
+    out["generation"].update(settings)
+    return out
+
+
+@pytest.mark.parametrize("paid, now", [(1.0, 1), (1, 1.0)])
+def test_the_other_spelling_of_the_same_temperature_sends_nothing(sim, tmp_path, k25, paid, now):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 6)
+    cfg = make_config(tmp_path, prompts, str(k25[0].source), api_base=sim.base_url, temperature=paid, top_p=1.0)
+    out = tmp_path / "results/d/responses.jsonl"
+    assert generate_dataset(cfg, "d", out, log=quiet)["requested"] == 6 and sim.requests_total == 6
+    first = read_jsonl(out)
+    reservations = len(ledger_rows(tmp_path))
+
+    cfg2 = with_generation(cfg, temperature=now)
+    assert plan_dataset(cfg2, "d")["to_request"] == 0  # the dry run knows it too
+    logs: list[str] = []
+    summary = generate_dataset(cfg2, "d", out, log=logs.append)
+    assert sim.requests_total == 6 and summary["http_requests"] == 0 and summary["requested"] == 0
+    assert summary["respelled"] == 6 and summary["cached"] == 6
+    assert len(ledger_rows(tmp_path)) == reservations
+    assert any("6 answer(s) cached under another spelling" in m for m in logs)
+    # the records as received, with the request as it was sent
+    assert read_jsonl(out) == first
+    assert all(json.dumps(r["request"]["temperature"]) == json.dumps(paid) for r in first)
+
+
+def test_other_numbers_and_a_boolean_for_a_number_are_other_requests(sim, tmp_path, k25):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 3)
+    cfg = make_config(tmp_path, prompts, str(k25[0].source), api_base=sim.base_url, temperature=1.0)
+    out = tmp_path / "results/d/responses.jsonl"
+    generate_dataset(cfg, "d", out, log=quiet)
+    assert sim.requests_total == 3
+    assert generate_dataset(with_generation(cfg, temperature=0.9), "d", out, log=quiet)["requested"] == 3
+    assert sim.requests_total == 6
+    # extra_body's keys are settings too: true is not 1
+    cfg_true = with_generation(cfg, extra_body={"logprobs": True})
+    generate_dataset(cfg_true, "d", out, log=quiet)
+    s = generate_dataset(with_generation(cfg, extra_body={"logprobs": 1}), "d", out, log=quiet)
+    assert s["respelled"] == 0 and s["requested"] == 3 and sim.requests_total == 12
+    assert generate_dataset(cfg_true, "d", out, log=quiet)["requested"] == 0
+
+
+def test_the_content_is_never_respelled(sim, tmp_path, k25):
+    """A tool declaration is part of the prompt the model reads: its ``1.0`` and ``1`` are other prompts."""
+    def prompts(minimum):
+        tool = {"type": "function", "function": {"name": "f", "description": "d", "parameters": {
+            "type": "object", "properties": {"n": {"type": "number", "minimum": minimum}}}}}
+        path = tmp_path / "p.jsonl"
+        path.write_text(json.dumps({"id": "a", "messages": [{"role": "user", "content": "hi"}], "tools": [tool]}) + "\n")
+        return path
+
+    cfg = make_config(tmp_path, prompts(1.0), str(k25[0].source), api_base=sim.base_url, temperature=1.0)
+    out = tmp_path / "results/d/responses.jsonl"
+    assert generate_dataset(cfg, "d", out, log=quiet)["requested"] == 1
+    prompts(1)
+    s = generate_dataset(cfg, "d", out, log=quiet)
+    assert s["requested"] == 1 and s["respelled"] == 0 and sim.requests_total == 2
+
+
+def test_a_config_file_rewritten_with_the_other_spelling_through_the_job_command(sim, tmp_path, k25):
+    """The YAML spelling itself, through ``python -m eagledata.generate.job``."""
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 4)
+    cfg = make_config(tmp_path, prompts, str(k25[0].source), api_base=sim.base_url, temperature=1.0, max_tokens=200)
+    env = {**os.environ, "OPENROUTER_API_KEY": API_KEY}
+    assert subprocess.run(generate_cmd(cfg, tmp_path), env=env, capture_output=True, text=True).returncode == 0
+    assert sim.requests_total == 4
+    cfg2 = with_generation(cfg, temperature=1)
+    cmd = generate_cmd(cfg2, tmp_path, name="cfg2")
+    assert "temperature: 1\n" in (tmp_path / "cfg2.yaml").read_text()
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert sim.requests_total == 4
+    assert yaml.safe_load((tmp_path / "cfg.yaml").read_text())["generation"]["temperature"] == 1.0
+
+
+def test_turns_all_conversations_are_followed_through_the_other_spelling(tmp_path, k25):
+    convs = [{"id": "a", "messages": [{"role": "user", "content": "a: first?"}, {"role": "assistant", "content": "x"},
+                                      {"role": "user", "content": "a: second?"}, {"role": "assistant", "content": "y"},
+                                      {"role": "user", "content": "a: third?"}]},
+             {"id": "b", "messages": [{"role": "user", "content": "b: only?"}]}]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    cfg = make_config(tmp_path, prompts, str(k25[0].source), backend="simulator", temperature=1)
+    cfg["datasets"]["d"]["turns"] = "all"
+    out = tmp_path / "results/d/responses.jsonl"
+    assert generate_dataset(cfg, "d", out, log=quiet)["requested"] == 4
+    first = read_jsonl(out)
+    cfg2 = with_generation(cfg, temperature=1.0)
+    assert plan_dataset(cfg2, "d")["to_request"] == 0
+    s = generate_dataset(cfg2, "d", out, log=quiet)
+    assert s["requested"] == 0 and s["http_requests"] == 0 and s["respelled"] == 4
+    assert read_jsonl(out) == first
