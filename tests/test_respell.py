@@ -109,7 +109,8 @@ def test_a_config_file_rewritten_with_the_other_spelling_through_the_job_command
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert sim.requests_total == 4
-    assert yaml.safe_load((tmp_path / "cfg.yaml").read_text())["generation"]["temperature"] == 1.0
+    summary = json.loads((tmp_path / "cache/d/generation_summary.json").read_text())
+    assert summary["respelled"] == 4 and summary["requested"] == 0
 
 
 def test_turns_all_conversations_are_followed_through_the_other_spelling(tmp_path, k25):
@@ -129,3 +130,79 @@ def test_turns_all_conversations_are_followed_through_the_other_spelling(tmp_pat
     s = generate_dataset(cfg2, "d", out, log=quiet)
     assert s["requested"] == 0 and s["http_requests"] == 0 and s["respelled"] == 4
     assert read_jsonl(out) == first
+
+
+def test_a_final_error_under_one_spelling_is_asked_again_under_the_other(sim, tmp_path, k25):
+    """A provider that checks types refuses ``max_tokens: 200.0`` (the stand-in does, with a 400);
+    the config fixed to ``200`` sends the requests again instead of reusing the refusals."""
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 3, tools_every=0)
+    cfg = make_config(tmp_path, prompts, str(k25[0].source), api_base=sim.base_url, max_tokens=200.0)
+    out = tmp_path / "results/d/responses.jsonl"
+    generate_dataset(cfg, "d", out, log=quiet)
+    assert [r["status"] for r in read_jsonl(out)] == [400] * 3
+    fixed = with_generation(cfg, max_tokens=200)
+    assert plan_dataset(fixed, "d")["to_request"] == 3
+    s = generate_dataset(fixed, "d", out, log=quiet)
+    assert s["requested"] == 3 and s["respelled"] == 0 and sim.requests_total == 6
+    assert [r["status"] for r in read_jsonl(out)] == [200] * 3
+
+
+def test_an_integer_beyond_64_bits_is_never_taken_for_another_number(tmp_path):
+    """The kept spellings are read back exactly: ``2**70 + 1`` is not the float ``2**70``."""
+    from types import SimpleNamespace
+
+    from eagledata.generate.cache import ResponseCache
+    from eagledata.generate.requests import cache_key
+    from eagledata.generate.respell import Respeller
+
+    msgs = [{"role": "user", "content": "hi"}]
+    big = 2 ** 70 + 1
+    paid = {"B": {"model": "m", "messages": msgs, "temperature": 1.0, "x": float(2 ** 70)},
+            "A": {"model": "m", "messages": msgs, "temperature": 1.0, "x": big}}
+    path = tmp_path / "responses.jsonl"
+    path.write_text("".join(json.dumps({"cache_key": cache_key(r), "request": r, "status": 200, "response_raw": name})
+                            + "\n" for name, r in paid.items()))
+    cache = ResponseCache(path)
+    cache.load()
+    now = {"model": "m", "messages": msgs, "temperature": 1, "x": big}  # A with its temperature respelled
+    item = SimpleNamespace(request=now, sample_index=0, cache_key=cache_key(now))
+    assert Respeller(cache, None).take([item]) == 1
+    assert cache.get(item.cache_key)["response_raw"] == "A"
+    assert cache.records == 2 and len(cache.index) == 3
+
+
+def test_turns_all_finds_every_turn_in_one_pass_over_the_conversations(tmp_path, k25, monkeypatch):
+    """The turn planner asks for the other spelling turn by turn: a respelled rerun follows the
+    conversations as often as a rerun of the same config does (not once more per turn)."""
+    from eagledata.generate.turns import TurnPlanner
+
+    convs = [{"id": f"c{c}", "messages": [m for t in range(6) for m in (
+        {"role": "user", "content": f"c{c} turn {t}?"}, {"role": "assistant", "content": "ok"})][:-1]} for c in range(3)]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    cfg = make_config(tmp_path, prompts, str(k25[0].source), backend="simulator", temperature=1)
+    cfg["datasets"]["d"]["turns"] = "all"
+    out = tmp_path / "results/d/responses.jsonl"
+    assert generate_dataset(cfg, "d", out, log=quiet)["requested"] == 18
+    calls = []
+    real = TurnPlanner.advance
+    monkeypatch.setattr(TurnPlanner, "advance", lambda self: calls.append(1) or real(self))
+    generate_dataset(cfg, "d", out, log=quiet)
+    same = len(calls)
+    calls.clear()
+    s = generate_dataset(with_generation(cfg, temperature=1.0), "d", out, log=quiet)
+    assert s["respelled"] == 18 and s["requested"] == 0 and len(calls) == same
+
+
+def test_a_stopped_job_counts_the_answers_cached_not_the_spellings(sim, tmp_path, k25):
+    from eagledata.generate.errors import JobStopped
+
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 3, tools_every=0)
+    cfg = make_config(tmp_path, prompts, str(k25[0].source), api_base=sim.base_url, temperature=1.0)
+    out = tmp_path / "results/d/responses.jsonl"
+    generate_dataset(cfg, "d", out, log=quiet)
+    write_prompts(tmp_path / "prompts.jsonl", 4, tools_every=0)  # one prompt more, which the budget refuses
+    cfg2 = with_generation(cfg, temperature=1)
+    cfg2["budget_usd"] = 1e-9
+    with pytest.raises(JobStopped, match="3 responses are cached"):
+        generate_dataset(cfg2, "d", out, log=quiet)

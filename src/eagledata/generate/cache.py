@@ -54,6 +54,8 @@ class ResponseCache:
         # the settings spellings of the records with an integral float (eagledata.generate.respell)
         self.spellings: Spellings = {}
         self._settings_seen: set[bytes | str] = set()
+        self.not_answered: set[str] = set()  # keys whose record is not known to be a status-200 answer
+        self.aliases: dict[str, str] = {}  # key -> the key of its record, cached in another spelling (alias)
         self.skipped_lines = 0
         self.pending: list[tuple[str, bytes]] = []  # received, not (known to be) in the file
         self.write_error: str | None = None
@@ -74,6 +76,8 @@ class ResponseCache:
         self.refs.clear()
         self.spellings.clear()
         self._settings_seen.clear()
+        self.not_answered.clear()
+        self.aliases.clear()
         if not self.path.exists():
             return self.index
         offset = 0
@@ -88,18 +92,38 @@ class ResponseCache:
         return self.index
 
     def _index_line(self, rec: Mapping[str, Any], offset: int, length: int) -> None:
-        self.index[rec["cache_key"]] = (offset, length)
+        key = rec["cache_key"]
+        self.index[key] = (offset, length)
+        if rec.get("status") == 200:
+            self.not_answered.discard(key)
+        else:
+            self.not_answered.add(key)
+        self._keep_spelling(rec)
+        if rec.get("ledger_ref"):
+            self.refs[rec["ledger_ref"]] = {"cost": rec.get("cost"), "provider": rec.get("provider"),
+                                            "generation_id": rec.get("generation_id")}
+
+    def _keep_spelling(self, rec: Mapping[str, Any]) -> None:
+        """Keep the settings spelling of ``rec``'s request (:mod:`eagledata.generate.respell`)."""
         request = rec.get("request")
-        if isinstance(request, dict):  # the settings spellings, each looked at once
+        if isinstance(request, dict):  # each spelling looked at once
             seen = settings_text(request)
             if seen not in self._settings_seen:
                 self._settings_seen.add(seen)
                 spelling = settings_spelling(request)
                 if spelling is not None:
                     self.spellings.setdefault(spelling[0], set()).add(spelling[1])
-        if rec.get("ledger_ref"):
-            self.refs[rec["ledger_ref"]] = {"cost": rec.get("cost"), "provider": rec.get("provider"),
-                                            "generation_id": rec.get("generation_id")}
+
+    def alias(self, key: str, cached: str) -> None:
+        """Point ``key`` at the record of ``cached`` (the same request in another spelling of its
+        settings: :mod:`eagledata.generate.respell`); in memory only."""
+        self.index[key] = self.index[cached]
+        self.aliases[key] = cached
+
+    @property
+    def records(self) -> int:
+        """How many requests the cache holds answers to (its index without the aliases)."""
+        return len(self.index) - len(self.aliases)
 
     def open(self) -> None:
         """Open for appending (once), first cutting off a torn last line (so the next record
@@ -172,6 +196,7 @@ class ResponseCache:
             self._check_sync()
         self._write_all(line)
         self.index[key] = (self._size, len(line))
+        self.not_answered.add(key)  # until append() says it is an answer
         self._size += len(line)
         self._unsynced.append((key, line))
         if time.monotonic() - self._synced >= FSYNC_INTERVAL_S and self._syncing is None:
@@ -182,7 +207,11 @@ class ResponseCache:
             self._syncing = self._sync_thread.submit(self._fsync, self._fd)
 
     def append(self, record: Mapping[str, Any]) -> None:
-        self.append_line(record["cache_key"], (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
+        key = record["cache_key"]
+        self.append_line(key, (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
+        if key in self.index and record.get("status") == 200:
+            self.not_answered.discard(key)
+            self._keep_spelling(record)
 
     def _check_sync(self) -> None:
         """Account for the finished (else: wait for the) background ``fsync``: the records it

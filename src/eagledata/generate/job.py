@@ -60,7 +60,7 @@ from eagledata.generate.prompts import read_prompts
 from eagledata.generate.requests import (DEFAULT_API_BASE, DatasetWork, WorkItem, dataset_work, normalized_api_base,
                                          uses_native_endpoint)
 from eagledata.generate.rescue import free_space
-from eagledata.generate.respell import take_respelled
+from eagledata.generate.respell import Respeller
 from eagledata.generate.retries import ClientSettings
 from eagledata.generate.turns import TurnPlanner, TurnState, conversation_summary
 from eagledata.io import atomic_write_json
@@ -95,7 +95,7 @@ class Run:
     turn_state: TurnState | None = None
     rounds: int = 0
     carried: dict[str, int] = field(default_factory=dict)  # answers carried over, per dataset they came from
-    respelled: int = 0  # answers cached under another spelling of the same settings (eagledata.generate.respell)
+    respeller: Respeller | None = None  # answers cached under another spelling of the same settings
 
 
 def never_failing(log: Log) -> Log:
@@ -154,39 +154,23 @@ def open_cache(run: Run) -> None:
     if cache.skipped_lines:
         run.log(f"warning: {cache.path}: {cache.skipped_lines} unreadable line(s) ignored (those requests are sent again)")
     import_rescued_answers(cache, run.dataset, run.log)
-    if run.work.turns == "all":
-        run.planner = TurnPlanner(run.work, cache, run.tokenizer)
+    respeller = run.respeller = Respeller(cache, run.work.salt)
+    if run.work.turns == "all":  # the planner asks the respeller for each turn it follows
+        run.planner = TurnPlanner(run.work, cache, run.tokenizer, respeller)
         advance_turns(run)
+    else:
+        respeller.take(it for it in run.work.items if it.cache_key not in index)
     for it in run.work.items:
         if it.cache_key not in index:
             run.todo.setdefault(it.cache_key, it)
-    take_respelled_answers(run)
+    if respeller.taken:
+        run.log(f"generate {run.dataset}: {respeller.taken} answer(s) cached under another spelling of the same "
+                "settings (an integer written as a float, or the reverse: 1 and 1.0) taken, not requested again")
     carry_answers(run)
     run.n_cached = sum(1 for it in run.work.items if it.cache_key in index)
     s = run.settings
     run.log(f"generate {run.dataset}: {len(run.work.prompts)} prompts, {len(run.work.items)} samples; {run.n_cached} "
             f"cached in {cache.path}, {len(run.todo)} to request ({s.backend}, model {s.api_model})")
-
-
-def take_respelled_answers(run: Run) -> None:
-    """Take, for the samples to request, the answers this dataset's cache holds under another
-    spelling of the same settings numbers (``temperature: 1`` and ``1.0``: one request;
-    :mod:`eagledata.generate.respell`). ``turns: all``: each one taken may make the conversation's next
-    turn known, so the conversations are followed again until nothing more is found."""
-    cache = run.cache
-    assert cache is not None
-    taken = 0
-    while run.todo:
-        n = take_respelled(cache, run.todo.values(), run.work.salt)
-        taken += n
-        run.todo = {k: it for k, it in run.todo.items() if k not in cache.index}
-        if not n or run.planner is None:
-            break
-        advance_turns(run)
-    if taken:
-        run.respelled += taken
-        run.log(f"generate {run.dataset}: {taken} answer(s) cached under another spelling of the same settings "
-                "(an integer written as a float, or the reverse: 1 and 1.0) taken, not requested again")
 
 
 def carry_answers(run: Run) -> None:
@@ -215,7 +199,6 @@ def carry_answers(run: Run) -> None:
         if run.planner is None:
             break
         advance_turns(run)
-        take_respelled_answers(run)
 
 
 def advance_turns(run: Run) -> dict[str, WorkItem]:
@@ -396,7 +379,8 @@ def summarize(run: Run, output_path: str | Path, elapsed: float) -> dict[str, An
     assert run.cache is not None
     summary: dict[str, Any] = {"dataset": run.dataset, "backend": s.backend, "model": s.api_model,
                                "samples": len(run.work.items), "cached": run.n_cached, "requested": n_todo,
-                               "carried_over": dict(run.carried), "respelled": run.respelled}
+                               "carried_over": dict(run.carried),
+                               "respelled": run.respeller.taken if run.respeller else 0}
     summary.update({
         "http_requests": job.http_requests if job else 0, "ok": job.progress.ok if job else 0,
         "errors": ([{**e, "final": True} for e in job.final_errors]
@@ -428,10 +412,10 @@ def raise_if_unfinished(run: Run) -> None:
     assert cache is not None
     if job.interrupt is not None:
         raise Interrupted(f"generate {dataset} interrupted ({job.interrupt}): {len(job.finished)} response(s) received "
-                          f"this run; {len(cache.index)} cached in {cache.path} (consistent); a rerun requests only "
+                          f"this run; {cache.records} cached in {cache.path} (consistent); a rerun requests only "
                           "the rest.", job.signum)
     if job.stop_reason is not None:
-        raise JobStopped(f"generate {dataset} stopped: {job.stop_reason}. {len(cache.index)} responses are cached in "
+        raise JobStopped(f"generate {dataset} stopped: {job.stop_reason}. {cache.records} responses are cached in "
                          f"{cache.path} and will not be requested again; fix the cause and rerun.")
     if job.failures:
         shown = "\n".join(f"  {i}: {p}" for i, p in list(job.failures.items())[:20])

@@ -44,7 +44,7 @@ from eagledata.generate.carryover import carried_records
 from eagledata.generate.prompts import canonical_json
 from eagledata.generate.dedup import dataset_option
 from eagledata.generate.requests import dataset_work
-from eagledata.generate.respell import take_respelled
+from eagledata.generate.respell import Respeller
 from eagledata.generate.tokenizers import cached_model_tokenizer, tokenizer_problem, workflow_built
 
 
@@ -114,7 +114,7 @@ def _mean_completion_tokens(cache_path: Path, index: Mapping[str, tuple[int, int
 
     values = []
     with open(cache_path, "rb") as fh:
-        for offset, length in list(index.values())[:limit]:
+        for offset, length in list(dict.fromkeys(index.values()))[:limit]:  # a record once (aliases)
             fh.seek(offset)
             rec = json.loads(fh.read(length))
             if rec.get("status") == 200:
@@ -153,7 +153,7 @@ def plan_dataset(config: Mapping[str, Any], name: str, estimator: PromptEstimato
         samples, cached, n, prompt_est, prompt_upper, turns = _turns_plan(work, cache, estimator, max_tokens)
     else:
         todo = {it.cache_key: it for it in work.items if it.cache_key not in index}
-        if todo and take_respelled(cache, todo.values(), work.salt):  # 1 and 1.0: one request
+        if todo and Respeller(cache, work.salt).take(todo.values()):  # 1 and 1.0: one request
             todo = {k: it for k, it in todo.items() if k not in index}
         carried: set[str] = set()
         if todo and dataset_option(config, name, "dedup"):
@@ -186,10 +186,7 @@ def _turns_plan(work: Any, cache: ResponseCache, estimator: PromptEstimator,
     from eagledata.generate.requests import sample_id
     from eagledata.generate.turns import TurnPlanner
 
-    planner = TurnPlanner(work, cache, work.tokenizer)
-    state = planner.advance()
-    while take_respelled(cache, state.todo.values(), work.salt):  # each may make a next turn known
-        state = planner.advance()
+    state = TurnPlanner(work, cache, work.tokenizer, Respeller(cache, work.salt)).advance()
     n_samples = int(work.settings.generation.get("samples_per_prompt", 1))
     reasoning = work.settings.generation.get("reasoning")
     total = todo = est_sum = upper_sum = 0

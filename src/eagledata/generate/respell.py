@@ -12,11 +12,12 @@ so the content is never respelled. Two spellings are the same settings when they
 integral float is read as the integer (a boolean stays a boolean: ``true`` is not ``1``). While the
 cache loads, it keeps each settings spelling of its records that holds an integral float
 (:func:`settings_spelling`, in :attr:`~eagledata.generate.cache.ResponseCache.spellings`).
-:func:`respelled_keys` tries, for each sample not cached, its settings with every integral float
+:class:`Respeller` tries, for each sample not cached, its settings with every integral float
 written as an integer and each kept spelling equal to its settings, with the sample's own content,
-index and backend salt; a key found in the cache is the same request, answered. The caller points
-the sample's key at that record in the cache's index (in memory: nothing is written), so the record
-is output as received, with its request as it was sent.
+index and backend salt; a status-200 answer found under such a key is the same request, answered.
+The sample's key then points at that record in the cache's index (in memory: nothing is written,
+:meth:`~eagledata.generate.cache.ResponseCache.alias`), so the record is output as received, with
+its request as it was sent. With ``turns: all`` the turn planner asks it for each turn it follows.
 """
 
 from __future__ import annotations
@@ -82,55 +83,61 @@ def settings_spelling(request: Any) -> tuple[str, str] | None:
     return canonical_json(as_integers(settings)), canonical_json(settings)
 
 
-def respelled_keys(items: Iterable[Any], index: Mapping[str, Any], spellings: Spellings,
-                   salt: Mapping[str, Any] | None) -> dict[str, str]:
-    """``{sample's key: cached key}`` for the ``items`` (:class:`~eagledata.generate.requests.WorkItem`)
-    not in ``index`` whose body, with its settings in another spelling of the same numbers, is."""
-    from eagledata.generate.requests import cache_key
+class Respeller:
+    """Finds samples of one dataset cache (its salt ``salt``) under the other spellings of their
+    settings, and points their keys at the answers found (:meth:`ResponseCache.alias`). Only status-200
+    answers are taken: a final error under one spelling (a provider that refuses ``max_tokens: 200.0``)
+    is asked again under the other. :attr:`taken` counts the samples found."""
 
-    found: dict[str, str] = {}
-    variants_of: dict[bytes | str, list[dict[str, Any]]] = {}  # settings as written -> other spellings
-    for it in items:
-        if it.cache_key in index or it.cache_key in found:
-            continue
-        written = settings_text(it.request)
-        variants = variants_of.get(written)
+    def __init__(self, cache: Any, salt: Mapping[str, Any] | None) -> None:
+        self.cache, self.salt = cache, salt
+        self.taken = 0
+        self._variants: dict[bytes | str, list[dict[str, Any]]] = {}  # settings as written -> other spellings
+
+    def take(self, items: Iterable[Any]) -> int:
+        """Alias each of ``items`` (:class:`~eagledata.generate.requests.WorkItem`) not cached whose
+        other spelling is answered; returns how many."""
+        n = 0
+        for it in items:
+            cached = self.find(it)
+            if cached is not None:
+                self.cache.alias(it.cache_key, cached)
+                n += 1
+        self.taken += n
+        return n
+
+    def find(self, item: Any) -> str | None:
+        """The key of the status-200 answer to ``item``'s body in another spelling of its settings;
+        ``None`` when it is cached as it is, or not found."""
+        from eagledata.generate.requests import cache_key
+
+        cache = self.cache
+        if not cache.index or item.cache_key in cache.index:
+            return None
+        written = settings_text(item.request)
+        variants = self._variants.get(written)
         if variants is None:
-            settings = settings_of(it.request)
-            variants = variants_of[written] = _other_spellings(settings, canonical_json(settings), spellings)
+            settings = settings_of(item.request)
+            variants = self._variants[written] = _other_spellings(settings, canonical_json(settings), cache.spellings)
         if not variants:
-            continue
-        content = {k: v for k, v in it.request.items() if k in CONTENT_KEYS}
+            return None
+        content = {k: v for k, v in item.request.items() if k in CONTENT_KEYS}
         for spelled in variants:
-            key = cache_key({**content, **spelled}, it.sample_index, salt)
-            if key in index:
-                found[it.cache_key] = key
-                break
-    return found
+            key = cache_key({**content, **spelled}, item.sample_index, self.salt)
+            if key in cache.index and key not in cache.not_answered:
+                return cache.aliases.get(key, key)
+        return None
 
 
 def _other_spellings(settings: dict[str, Any], text: str, spellings: Spellings) -> list[dict[str, Any]]:
     """The spellings of ``settings`` (whose text is ``text``) other than its own to look up: every
-    integral float as the integer, and each kept spelling with the same numbers."""
-    from eagledata.io import loads_json
-
+    integral float as the integer, and each kept spelling with the same numbers (read back by the
+    standard library, which keeps an integer beyond 64 bits exact)."""
     normal = as_integers(settings)
     normal_text = canonical_json(normal)
     out = [normal] if normal_text != text else []
-    out += [loads_json(s) for s in sorted(spellings.get(normal_text, ())) if s != text]
+    out += [json.loads(s) for s in sorted(spellings.get(normal_text, ())) if s != text]
     return out
 
 
-def take_respelled(cache: Any, items: Iterable[Any], salt: Mapping[str, Any] | None) -> int:
-    """Point the key of every item in ``items`` that :func:`respelled_keys` finds at its cached
-    record in ``cache.index``; returns how many."""
-    if not cache.index:
-        return 0
-    found = respelled_keys(items, cache.index, cache.spellings, salt)
-    for key, cached in found.items():
-        cache.index[key] = cache.index[cached]
-    return len(found)
-
-
-__all__ = ["CONTENT_KEYS", "as_integers", "respelled_keys", "settings_of", "settings_spelling", "settings_text",
-           "take_respelled"]
+__all__ = ["CONTENT_KEYS", "Respeller", "as_integers", "settings_of", "settings_spelling", "settings_text"]

@@ -56,8 +56,10 @@ class TurnPlanner:
     """The turns of a ``turns: all`` dataset's conversations against its response cache (replies
     parsed once per job)."""
 
-    def __init__(self, work: DatasetWork, cache: ResponseCache, tokenizer: Any = None):
+    def __init__(self, work: DatasetWork, cache: ResponseCache, tokenizer: Any = None, respeller: Any = None):
         self.work, self.cache, self.tokenizer = work, cache, tokenizer
+        # a turn not cached as it is is looked up in the other spellings of its settings (eagledata.generate.respell)
+        self.respeller = respeller
         self.replies: dict[str, Reply | str] = {}  # cache key -> reply, or why not
 
     def _reply(self, key: str, fh: Any) -> Reply | str:
@@ -84,7 +86,7 @@ class TurnPlanner:
                         item = make_item(replace(p, messages=messages), s, k, self.work.salt, self.tokenizer,
                                          turn=len(replies))
                         state.items.append(item)
-                        if item.cache_key not in self.cache.index:
+                        if item.cache_key not in self.cache.index and not (self.respeller and self.respeller.take((item,))):
                             state.todo.setdefault(item.cache_key, item)
                             break
                         reply = self._reply(item.cache_key, fh)
