@@ -113,22 +113,27 @@ def test_a_config_file_rewritten_with_the_other_spelling_through_the_job_command
     assert summary["respelled"] == 4 and summary["requested"] == 0
 
 
-def test_turns_all_conversations_are_followed_through_the_other_spelling(tmp_path, k25):
-    convs = [{"id": "a", "messages": [{"role": "user", "content": "a: first?"}, {"role": "assistant", "content": "x"},
-                                      {"role": "user", "content": "a: second?"}, {"role": "assistant", "content": "y"},
-                                      {"role": "user", "content": "a: third?"}]},
-             {"id": "b", "messages": [{"role": "user", "content": "b: only?"}]}]
+def turns_dataset(tmp_path, k25, conversations: int, turns: int, **generation) -> tuple[dict, object]:
+    """A ``turns: all`` dataset of ``conversations`` conversations of ``turns`` user turns each, on the
+    stand-in backend: (config, output path)."""
+    convs = [{"id": f"c{c}", "messages": [m for t in range(turns) for m in (
+        {"role": "user", "content": f"c{c} turn {t}?"}, {"role": "assistant", "content": "ok"})][:-1]}
+        for c in range(conversations)]
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps(c) + "\n" for c in convs))
-    cfg = make_config(tmp_path, prompts, str(k25[0].source), backend="simulator", temperature=1)
+    cfg = make_config(tmp_path, prompts, str(k25[0].source), backend="simulator", **generation)
     cfg["datasets"]["d"]["turns"] = "all"
-    out = tmp_path / "results/d/responses.jsonl"
-    assert generate_dataset(cfg, "d", out, log=quiet)["requested"] == 4
+    return cfg, tmp_path / "results/d/responses.jsonl"
+
+
+def test_turns_all_conversations_are_followed_through_the_other_spelling(tmp_path, k25):
+    cfg, out = turns_dataset(tmp_path, k25, 2, 3, temperature=1)
+    assert generate_dataset(cfg, "d", out, log=quiet)["requested"] == 6
     first = read_jsonl(out)
     cfg2 = with_generation(cfg, temperature=1.0)
     assert plan_dataset(cfg2, "d")["to_request"] == 0
     s = generate_dataset(cfg2, "d", out, log=quiet)
-    assert s["requested"] == 0 and s["http_requests"] == 0 and s["respelled"] == 4
+    assert s["requested"] == 0 and s["http_requests"] == 0 and s["respelled"] == 6
     assert read_jsonl(out) == first
 
 
@@ -176,13 +181,7 @@ def test_turns_all_finds_every_turn_in_one_pass_over_the_conversations(tmp_path,
     conversations as often as a rerun of the same config does (not once more per turn)."""
     from eagledata.generate.turns import TurnPlanner
 
-    convs = [{"id": f"c{c}", "messages": [m for t in range(6) for m in (
-        {"role": "user", "content": f"c{c} turn {t}?"}, {"role": "assistant", "content": "ok"})][:-1]} for c in range(3)]
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps(c) + "\n" for c in convs))
-    cfg = make_config(tmp_path, prompts, str(k25[0].source), backend="simulator", temperature=1)
-    cfg["datasets"]["d"]["turns"] = "all"
-    out = tmp_path / "results/d/responses.jsonl"
+    cfg, out = turns_dataset(tmp_path, k25, 3, 6, temperature=1)
     assert generate_dataset(cfg, "d", out, log=quiet)["requested"] == 18
     calls = []
     real = TurnPlanner.advance
