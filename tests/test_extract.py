@@ -599,6 +599,28 @@ def test_rerun_check_tolerates_rounding_and_catches_a_changed_token():
         compare_rerun("s", "x", z, (z[0], torch.ones(2, 4)), rtol)
 
 
+def test_checks_sum_in_float32_and_a_huge_finite_value_is_not_taken_for_a_nan():
+    """The RMS sums run in float32; a finite value whose square overflows float32 (beyond ~1.8e19) is
+    summed again in float64 and passes; a NaN or an Inf still fails, naming the layer."""
+    from eagledata.extract.checks import NonFiniteError, ShardChecks
+
+    g = torch.Generator().manual_seed(0)
+    aux, final = torch.randn(40, 3, 64, generator=g), torch.randn(40, 64, generator=g)
+    checks = ShardChecks("s", [1, 3, 4])
+    checks.add("a", aux.to(torch.bfloat16), final.to(torch.bfloat16))
+    want = aux.to(torch.bfloat16).double().pow(2).mean(dim=(0, 2)).sqrt()
+    assert [checks.rms()[f"layer_{i}"] for i in (1, 3, 4)] == pytest.approx(want.tolist(), rel=1e-5)  # 6 digits kept
+    huge = aux.clone()
+    huge[3, 1, 7] = 3e19
+    checks.add("b", huge, final)
+    assert checks.rms()["layer_3"] > 1e16
+    for bad in (float("nan"), float("inf")):
+        poisoned = aux.clone()
+        poisoned[5, 2, 9] = bad
+        with pytest.raises(NonFiniteError, match=r"sample 'c'.*first at token 5, layer layer_4"):
+            checks.add("c", poisoned, final)
+
+
 def test_injected_nan_fails_naming_shard_and_sample(tmp_path, token_rows, weights, model, monkeypatch):
     """A NaN in one sample's forward fails the job; the message names the shard and that sample;
     no output shard is published."""
