@@ -217,6 +217,18 @@ def test_speculators_vocab_files_load_as_its_train_script_loads_them(setup):
     assert torch.nonzero(t2d).flatten().tolist() == ordered
     sf = torch.load(setup["root"] / "export" / "specforge" / "vocab_mapping" / "vocab_mapping.pt")
     assert torch.equal(sf["d2t"], d2t) and torch.equal(sf["t2d"], t2d)  # one mapping for both trainers
+    # release 0.9.0's train CLI (parse_vocab_mappings) looks for d2t-{D}.npy / t2d-{D}.npy, D its --draft-vocab-size
+    assert np.array_equal(np.load(out / "d2t-40.npy"), d2t.numpy()) and np.array_equal(np.load(out / "t2d-40.npy"), t2d.numpy())
+
+
+def test_speculators_hidden_files_are_readable_as_the_umask_allows(setup):
+    """safetensors creates its files 0600; a trainer run by another user must read them as it reads the
+    rest of the export (mode 0o666 & ~umask, as open() gives)."""
+    out = setup["root"] / "export" / "speculators"
+    mask = os.umask(0)
+    os.umask(mask)
+    modes = {p.stat().st_mode & 0o777 for p in (out / "hidden_states").glob("hs_*.safetensors")}
+    assert modes == {0o666 & ~mask} == {(out / "dataset_info.json").stat().st_mode & 0o777}
 
 
 def test_build_mapping_pads_like_the_trainers():

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,18 @@ log = logging.getLogger("eagledata.export.common")
 
 EXPORT_FORMAT = "eagledata-export/2"
 EXPORT_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _process_umask() -> int:
+    """This process's umask (set back at once; read at import, before any writer thread starts)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+#: the mode bits a new file's creator takes away (files written by libraries that create them 0600 are
+#: given ``0o666 & ~UMASK``, as ``open`` would)
+UMASK = _process_umask()
 
 
 @dataclass

@@ -8,8 +8,9 @@
   [T, n_layers + 1, H] in the export dtype (bf16 by default): the aux layers in order, then the final
   state BEFORE the final norm (its trainer takes ``[:, :-1]`` flattened as the aux input and ``[:, -1]``
   as the verifier's last hidden state, and applies the verifier's norm itself);
-* ``d2t.npy`` / ``t2d.npy`` / ``token_freq.pt`` (:mod:`eagledata.export.vocab`), which its train
-  script looks for in the data path;
+* ``d2t.npy`` / ``t2d.npy``, the same as ``d2t-{D}.npy`` / ``t2d-{D}.npy``, and ``token_freq.pt``
+  (:mod:`eagledata.export.vocab`), which its train script looks for in the data path (release 0.9.0:
+  the ``-{D}`` names, with ``--draft-vocab-size D``);
 * ``export.json`` lists ``eagle_aux_hidden_state_layer_ids``: the three auxiliary layers in vLLM's
   numbering (``i + 1``), which its trainer's fc layer is sized by (the final state is not one of them).
 
@@ -20,10 +21,12 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
 from eagledata.export.common import (
+    UMASK,
     Sample,
     assemble,
     end_export,
@@ -85,8 +88,11 @@ def export_speculators(hidden_dir: str | Path, out_dir: str | Path, *, dtype: st
 
     run = start_export("speculators", hidden_dir, out_dir, dtype, "speculators_dtype", draft_vocab_size, work_dir,
                        store_dir, code_version)
-    built = assemble(run.hidden_dir, run.manifest, run.target, run.store,
-                     lambda path, s, _shard: save_file(speculators_tensors(s, run.dtype), str(path)),
+    def write_hs(path: Path, s: Sample, _shard: Any) -> None:
+        save_file(speculators_tensors(s, run.dtype), str(path))
+        os.chmod(path, 0o666 & ~UMASK)  # safetensors creates its files 0600: unreadable to a trainer of another user
+
+    built = assemble(run.hidden_dir, run.manifest, run.target, run.store, write_hs,
                      speculators_path, lambda row: f"hs_{row}.safetensors")
     save_dataset(run.target, run.hidden_dir, built.rows)
     layers = run.manifest["layers"]

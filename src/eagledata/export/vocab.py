@@ -10,8 +10,10 @@ smallest ids not selected yet. Files:
 
 * SpecForge: ``vocab_mapping/vocab_mapping.pt``, a ``torch.save`` dict ``{"d2t", "t2d"}`` (its
   ``load_vocab_mapping`` copies both into the draft model's buffers);
-* speculators: ``d2t.npy`` / ``t2d.npy`` (``np.save``; its train script loads them from the data
-  path first) and ``token_freq.pt`` (``torch.save`` of ``{token_id: count}`` plain ints, loaded with
+* speculators: ``d2t.npy`` / ``t2d.npy`` (``np.save``; its train script at c05b95b loads them from
+  the data path), the same arrays as ``d2t-{D}.npy`` / ``t2d-{D}.npy`` (release 0.9.0 looks for those
+  names, ``D`` its ``--draft-vocab-size``, and otherwise rebuilds them from ``token_freq.pt`` into the
+  data path) and ``token_freq.pt`` (``torch.save`` of ``{token_id: count}`` plain ints, loaded with
   ``weights_only=True``).
 """
 
@@ -70,13 +72,16 @@ def write_specforge_mapping(out_dir: Path, d2t: Any, t2d: Any) -> str:
 
 
 def write_speculators_mapping(out_dir: Path, counts: Any, d2t: Any, t2d: Any) -> list[str]:
-    """``d2t.npy``, ``t2d.npy`` and ``token_freq.pt`` in ``out_dir`` (names returned)."""
+    """``d2t.npy``, ``t2d.npy``, ``d2t-{D}.npy``, ``t2d-{D}.npy`` (``D`` = ``len(d2t)``) and
+    ``token_freq.pt`` in ``out_dir`` (names returned)."""
     import numpy as np
 
-    for name, t in (("d2t.npy", d2t), ("t2d.npy", t2d)):
+    d = len(d2t)
+    names = ["d2t.npy", "t2d.npy", f"d2t-{d}.npy", f"t2d-{d}.npy"]
+    for name, t in zip(names, (d2t, t2d, d2t, t2d)):
         with atomic_path(out_dir / name) as tmp:
             with open(tmp, "wb") as fh:
                 np.save(fh, t.numpy())
     freq = {int(i): int(counts[i]) for i in counts.nonzero().flatten().tolist()}
     write_torch(out_dir / "token_freq.pt", freq)
-    return ["d2t.npy", "t2d.npy", "token_freq.pt"]
+    return names + ["token_freq.pt"]
