@@ -887,3 +887,40 @@ def test_per_shard_jobs_give_the_one_process_extraction_and_resume_on_code_ident
     quantized = ExtractionSettings(**{**code2.__dict__, "backend": "sglang",
                                       "backend_options": {"server_args": {"quantization": "fp8"}}})
     assert quantized.backend_args() == '{"quantization":"fp8"}' and code2.backend_args() == ""
+
+
+def test_shard_jobs_record_their_model_load_and_the_gather_warns_when_loads_dominate(tmp_path, token_rows, weights,
+                                                                                      caplog):
+    """Every extract_shard job loads the model: its record says how long, the gathered manifest sums the
+    jobs' loads against their extraction (``job_time``), and warns when loads take over a quarter."""
+    import logging
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from extraction_throughput import extract_per_shard, write_extraction_plan
+
+    from eagledata.extract.pershard import ExtractionSettings, job_time
+
+    tokens = write_tokens(tmp_path / "tokens", token_rows)
+    plan = write_extraction_plan(tokens, tmp_path / "plan.json")
+    settings = ExtractionSettings(weights=str(weights), dtype="float32", compute_dtype="float32", device="cpu",
+                                  batch_tokens=200)
+    with caplog.at_level(logging.WARNING, logger="eagledata.extract.pershard"):
+        manifest = extract_per_shard(plan, tmp_path / "hidden", settings, None)  # each shard loads the model
+    loads = [s["model_load_s"] for s in manifest["shards"]]
+    assert len(loads) == len(token_rows) and all(t > 0 for t in loads)
+    timing = manifest["job_time"]
+    assert timing == job_time(manifest["shards"]) and timing["jobs"] == len(loads)
+    assert timing["model_load_s"] == pytest.approx(sum(loads), abs=1e-3)
+    share = timing["model_load_s"] / (timing["model_load_s"] + timing["extract_s"])
+    assert timing["load_share"] == pytest.approx(share, abs=1e-4)
+    warned = [r for r in caplog.records if "loading the model took" in r.getMessage()]
+    assert bool(warned) == (share > 0.25), (share, [r.getMessage() for r in caplog.records])
+    # the rule of the warning itself, on made-up jobs: 3 s loading against 6 s extracting warns; 1 against 9 not
+    from eagledata.extract.pershard import warn_model_loads
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="eagledata.extract.pershard"):
+        warn_model_loads(job_time([{"model_load_s": 1.5, "seconds": 3.0}] * 2))
+        warn_model_loads(job_time([{"model_load_s": 0.5, "seconds": 4.5}] * 2))
+    assert [r.getMessage()[:36] for r in caplog.records] == ["loading the model took 33% of the ex"]

@@ -446,6 +446,7 @@ class LazyBackend:
         self.run, self.model, self.device, self.options = run, model, device, options or {}
         self.backend: ExtractionBackend | None = None
         self.owned = False
+        self.load_s = 0.0  # seconds this object spent loading the model
 
     def get(self) -> ExtractionBackend:
         """The backend, loading it the first time."""
@@ -456,8 +457,11 @@ class LazyBackend:
             else:
                 log.info("loading model %s (backend %s, device %s, compute dtype %s)",
                          r.weights, r.backend, self.device, r.compute_dtype)
+                t0 = time.perf_counter()
                 self.backend = make_backend(r.backend, r.weights, r.layers, r.compute_dtype, self.device,
                                             **self.options)
+                self.load_s = time.perf_counter() - t0
+                log.info("model loaded in %.1f s", self.load_s)
                 self.owned = True
         return self.backend
 

@@ -33,7 +33,7 @@ import socket
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from eagledata.extract.base import ExtractionError
 from eagledata.extract.core import (
@@ -178,7 +178,7 @@ def extract_keyed_shard(plan_path: str | Path, key: str, source: str | Path, sto
                 code_fingerprint=run.code_fp, backend_args=run.backend_args)
         finally:
             runner.close()
-        record = with_file_facts(stats, dst, {})
+        record = with_file_facts({**stats, "model_load_s": round(runner.load_s, 3)}, dst, {})
         atomic_write_json(sidecar_of(dst), record)
         record = {**record, "resumed": False}
     out = {**record, "key": key, "job": {**(job or {}), "host": socket.gethostname(), "pid": os.getpid(),
@@ -240,7 +240,9 @@ def gather_hidden(plan_path: str | Path, record_paths: Sequence[str | Path], out
         norm = norm_facts(out / s["file"], norm)
     write_index(out / "index.parquet", shards_out, out)
     manifest = run.manifest(shards_out, True, **norm)
+    manifest["job_time"] = job_time(shards_out)
     write_manifest(out / "manifest.json", manifest)
+    warn_model_loads(manifest["job_time"])
     warn_long_samples(manifest)
     prune_store(store, [s["file"] for s in shards_out])
     _prune_records(record_paths)
@@ -251,5 +253,33 @@ def gather_hidden(plan_path: str | Path, record_paths: Sequence[str | Path], out
     return manifest
 
 
-__all__ = ["ExtractionSettings", "extract_keyed_shard", "gather_hidden", "prune_store", "sidecar_of",
-           "stored_record"]
+#: above this share of the shard jobs' time spent loading the model, the gather warns
+LOAD_SHARE_WARNING = 0.25
+
+
+def job_time(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """What the shard jobs that extracted ``shards`` spent (each as its record says; a shard kept from
+    the store carries the time of the job that wrote it): seconds loading the model, extracting
+    (forward included) and in the forward alone, and the loads' share of load + extraction."""
+    timed = [s for s in shards if s.get("model_load_s") is not None]
+    load = sum(float(s["model_load_s"]) for s in timed)
+    work = sum(float(s.get("seconds") or 0.0) for s in timed)
+    forward = sum(float(s.get("forward_seconds") or 0.0) for s in timed)
+    return {"jobs": len(timed), "model_load_s": round(load, 3), "extract_s": round(work, 3),
+            "forward_s": round(forward, 3), "load_share": round(load / (load + work), 4) if load + work > 0 else None}
+
+
+def warn_model_loads(timing: Mapping[str, Any]) -> None:
+    """Warn when loading the model took more than :data:`LOAD_SHARE_WARNING` of the shard jobs' time:
+    every ``extract_shard`` job loads the model, so its load is paid once per shard."""
+    share = timing.get("load_share")
+    if share is None or share <= LOAD_SHARE_WARNING or timing["jobs"] < 2:
+        return
+    log.warning("loading the model took %.0f%% of the extraction jobs' time (%d jobs: %.1f s loading, %.1f s "
+                "extracting): each shard job loads the model once, so a larger tokens.shard_size spends less "
+                "GPU time on loads (a new shard size cuts new shards: they are tokenized and extracted again)",
+                100 * share, timing["jobs"], timing["model_load_s"], timing["extract_s"])
+
+
+__all__ = ["ExtractionSettings", "extract_keyed_shard", "gather_hidden", "job_time", "prune_store", "sidecar_of",
+           "stored_record", "warn_model_loads"]
