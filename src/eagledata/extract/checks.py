@@ -2,7 +2,8 @@
 
 * :class:`ShardChecks` sees every sample's stored tensors (``aux`` [T, n_layers, H], ``final`` [T, H],
   in the stored dtype): any NaN/Inf fails the job with :class:`NonFiniteError` naming the shard, the
-  sample and the tensor; it accumulates the per-layer RMS (float64 sums) recorded in the manifest.
+  sample and the tensor; it accumulates the per-layer RMS (float32 sums per sample, float64 across
+  samples) recorded in the manifest.
 * :func:`pick_rerun_sample` chooses one sample per shard (the shortest sample batched with others: the
   most padded, so padding and batch shape are exercised, and the cheapest to re-run), and :func:`compare_rerun`
   checks that sample's result re-run alone against its batched result, token by token: fails with
@@ -28,7 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
 #: 16-bit dtypes, 8 for FP8 storage, 1e-3 for float32. A batch computes with other kernel shapes than a
 #: sample alone, so in a 16-bit compute dtype the two differ by rounding that grows with depth: measured
 #: on an H200 (a random DeepSeek-V3 at Kimi K2.5's width, 7168, bf16) up to 0.035 per token by layer 23
-#: of 24 and 0.13 for single values (0.0003 in float32). A batching bug (padding, positions, dropped
+#: of 24 and 0.13 for single values (4e-5 in float32). A batching bug (padding, positions, dropped
 #: tokens) changes whole tokens: O(1).
 RERUN_RTOL = {"float32": 1e-3, "float16": 64 * 2.0 ** -11, "bfloat16": 64 * 2.0 ** -8,
               "float8_e4m3fn": 8 * 2.0 ** -4}
@@ -60,8 +61,9 @@ class ShardChecks:
     def add(self, sample_id: str, aux: "torch.Tensor", final: "torch.Tensor") -> None:
         """Check one sample's stored tensors, then add them to the RMS sums.
 
-        One pass per tensor, in float32 (pairwise sums: about 1e-7 relative; five times cheaper than
-        float64 on a CPU, which bounded extraction at K2.5's width at about 5,000 tokens/s). A NaN or
+        One pass per tensor, in float32 (pairwise sums: a few 1e-6 relative at most, below the 6 digits
+        kept; 2 to 5 times cheaper than float64 on a CPU, whose pass cost about as much as a bf16 forward
+        at K2.5's width on an H200). A NaN or
         Inf makes its sum non-finite; so does a finite value beyond about 1.8e19 (its square overflows
         float32), so a non-finite sum is taken again in float64, where it is finite exactly when every
         value is (a finite float32/bf16/fp8 value squares to at most ~1.2e77). Only a sum still
@@ -117,8 +119,10 @@ def pick_rerun_sample(batches: Sequence[Sequence[int]]) -> int | None:
 
 
 def rerun_rtol(stored: str, computed: str | None) -> float:
-    """Tolerance of the re-run check: that of the coarser of the stored and computed dtypes."""
-    names = [d for d in (stored, computed) if d in RERUN_RTOL]
+    """Tolerance of the re-run check: that of the coarser of the stored and computed dtypes. A
+    computed dtype not known (an SGLang server with ``compute_dtype: auto``) is taken as bfloat16, what
+    such a server runs a large model in: a float32 tolerance there would fail sound jobs."""
+    names = [d for d in (stored, computed or "bfloat16") if d in RERUN_RTOL]
     return RERUN_RTOL[max(names, key=_COARSENESS.index)] if names else RERUN_RTOL["float32"]
 
 
@@ -132,16 +136,19 @@ def compare_rerun(shard_name: str, sample_id: str, batched: tuple[Any, Any], alo
 
     worst_abs = worst_rel = 0.0
     for name, b, a in (("aux_hidden_states", batched[0], alone[0]), ("hidden_state", batched[1], alone[1])):
-        b32, a32 = b.to(torch.float32), a.to(torch.float32)
-        if b32.shape != a32.shape:
+        b64, a64 = b.to(torch.float64), a.to(torch.float64)  # one sample: float64 norms cannot overflow
+        if b64.shape != a64.shape:
             raise RerunMismatchError(f"{shard_name}: sample {sample_id!r}: {name} re-run alone has shape "
-                                     f"{tuple(a32.shape)}, batched {tuple(b32.shape)}")
-        if not b32.numel():
+                                     f"{tuple(a64.shape)}, batched {tuple(b64.shape)}")
+        if not b64.numel():
             continue
-        diff = a32 - b32
+        if not bool(torch.isfinite(a64).all()):  # the batched values were checked by ShardChecks
+            raise RerunMismatchError(f"{shard_name}: sample {sample_id!r}: {name} re-run alone holds NaN or Inf "
+                                     "where its batched result is finite")
+        diff = a64 - b64
         worst_abs = max(worst_abs, float(diff.abs().max()))
-        d_norm, b_norm = diff.norm(dim=-1), b32.norm(dim=-1)  # per token (and layer)
-        rel = torch.where(d_norm == 0, torch.zeros_like(d_norm), d_norm / b_norm.clamp_min(torch.finfo(torch.float32).tiny))
+        d_norm, b_norm = diff.norm(dim=-1), b64.norm(dim=-1)  # per token (and layer)
+        rel = torch.where(d_norm == 0, torch.zeros_like(d_norm), d_norm / b_norm.clamp_min(torch.finfo(torch.float64).tiny))
         k = int(rel.argmax())
         worst = float(rel.flatten()[k])
         worst_rel = max(worst_rel, worst)

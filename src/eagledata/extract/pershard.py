@@ -253,15 +253,18 @@ def gather_hidden(plan_path: str | Path, record_paths: Sequence[str | Path], out
     return manifest
 
 
-#: above this share of the shard jobs' time spent loading the model, the gather warns
+#: the gather warns when the shard jobs spent more than this share of their time loading the model...
 LOAD_SHARE_WARNING = 0.25
+#: ... and at least this many seconds in all (a model that loads in seconds is not worth a warning)
+LOAD_SECONDS_WARNING = 60.0
 
 
 def job_time(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """What the shard jobs that extracted ``shards`` spent (each as its record says; a shard kept from
-    the store carries the time of the job that wrote it): seconds loading the model, extracting
-    (forward included) and in the forward alone, and the loads' share of load + extraction."""
-    timed = [s for s in shards if s.get("model_load_s") is not None]
+    """What the shard jobs that extracted ``shards`` spent, as their records say (shards a job found in
+    the store, and records of an eagledata that did not time loads, are left out): seconds loading the
+    model, extracting (forward included) and in the forward alone, and the loads' share of load +
+    extraction."""
+    timed = [s for s in shards if s.get("model_load_s") is not None and not s.get("resumed")]
     load = sum(float(s["model_load_s"]) for s in timed)
     work = sum(float(s.get("seconds") or 0.0) for s in timed)
     forward = sum(float(s.get("forward_seconds") or 0.0) for s in timed)
@@ -270,10 +273,11 @@ def job_time(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def warn_model_loads(timing: Mapping[str, Any]) -> None:
-    """Warn when loading the model took more than :data:`LOAD_SHARE_WARNING` of the shard jobs' time:
-    every ``extract_shard`` job loads the model, so its load is paid once per shard."""
+    """Warn when loading the model took more than :data:`LOAD_SHARE_WARNING` of the shard jobs' time
+    and :data:`LOAD_SECONDS_WARNING` in all: every ``extract_shard`` job loads the model, so its load is
+    paid once per shard."""
     share = timing.get("load_share")
-    if share is None or share <= LOAD_SHARE_WARNING or timing["jobs"] < 2:
+    if share is None or share <= LOAD_SHARE_WARNING or timing["jobs"] < 2 or timing["model_load_s"] < LOAD_SECONDS_WARNING:
         return
     log.warning("loading the model took %.0f%% of the extraction jobs' time (%d jobs: %.1f s loading, %.1f s "
                 "extracting): each shard job loads the model once, so a larger tokens.shard_size spends less "
