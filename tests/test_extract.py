@@ -349,6 +349,11 @@ def test_demo_model_deterministic(tmp_path, weights):
     for name in names:
         assert (weights / name).read_bytes() == (again / name).read_bytes(), name
     assert "random" in (weights / "README.md").read_text().lower()
+    # the weight map of a sharded checkpoint, which SpecForge's TargetHead.from_pretrained reads
+    index = json.loads((weights / "model.safetensors.index.json").read_text())
+    tensors = load_file(weights / "model.safetensors")
+    assert index["weight_map"] == {k: "model.safetensors" for k in tensors} and "lm_head.weight" in index["weight_map"]
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
     other = build_demo_model(tmp_path / "other", VOCAB, seed=1)
     assert (other / "model.safetensors").read_bytes() != (weights / "model.safetensors").read_bytes()
     t = load_file(weights / "model.safetensors")

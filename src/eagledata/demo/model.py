@@ -15,6 +15,7 @@ Contract:
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -81,9 +82,25 @@ nothing. Never train a drafter on data extracted from it.
 """
 
 
+def write_weight_index(model_dir: Path) -> None:
+    """``model.safetensors.index.json`` beside the one ``model.safetensors``: the weight map a sharded
+    checkpoint has, which some trainers read (SpecForge's ``TargetHead.from_pretrained`` finds the LM
+    head through it), so the demo model stands in for a real one there too. Loaders that find
+    ``model.safetensors`` read it directly."""
+    from safetensors.torch import load_file
+
+    weights = model_dir / "model.safetensors"
+    tensors = load_file(weights)  # a few MB
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+             "weight_map": {k: weights.name for k in sorted(tensors)}}
+    (model_dir / f"{weights.name}.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n",
+                                                          encoding="utf-8")
+
+
 def build_demo_model(out_dir: str | Path, vocab_size: int, seed: int = 0) -> Path:
     """Build the demo model with random weights drawn from ``seed`` and save it to ``out_dir``
-    (``config.json``, ``generation_config.json``, ``model.safetensors``, ``README.md``).
+    (``config.json``, ``generation_config.json``, ``model.safetensors`` with its
+    ``model.safetensors.index.json``, ``README.md``).
     Returns ``out_dir``. Deterministic (see module docstring)."""
     import torch
     from transformers import DeepseekV3ForCausalLM
@@ -96,6 +113,7 @@ def build_demo_model(out_dir: str | Path, vocab_size: int, seed: int = 0) -> Pat
         model = DeepseekV3ForCausalLM(cfg).to(torch.float32).eval()
     n_params = sum(p.numel() for p in model.parameters())
     model.save_pretrained(out, safe_serialization=True)
+    write_weight_index(out)
     tmp = out / f"README.md.tmp-{os.getpid()}"
     tmp.write_text(_readme(vocab_size, seed, n_params), encoding="utf-8")
     os.replace(tmp, out / "README.md")
