@@ -84,6 +84,39 @@ def extract_per_shard(plan: Path, out: Path, settings, model) -> dict:
     return gather_hidden(plan, records, out, store, settings)
 
 
+class StepTimes:
+    """Seconds spent, while in the block, in the steps extraction adds to the forward: the sanity
+    checks (``ShardChecks.add``), the casts to the stored dtype (``stored``), the shard writes (on the
+    writer thread) and the final flush + fsync (``close``)."""
+
+    def __enter__(self):
+        from eagledata.extract import checks, core, storage
+
+        self.seconds = {"checks": 0.0, "casts": 0.0, "writes": 0.0, "close+fsync": 0.0}
+        self._patched = [(checks.ShardChecks, "add", "checks"), (core, "stored", "casts"),
+                         (storage.SafetensorsStreamWriter, "write_rows", "writes"),
+                         (storage.SafetensorsStreamWriter, "close", "close+fsync")]
+        self._real = []
+        for owner, name, step in self._patched:
+            real = getattr(owner, name)
+            self._real.append(real)
+            setattr(owner, name, self._timed(real, step))
+        return self
+
+    def _timed(self, fn, step):
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.seconds[step] += time.perf_counter() - t
+        return wrapper
+
+    def __exit__(self, *exc):
+        for (owner, name, _), real in zip(self._patched, self._real):
+            setattr(owner, name, real)
+
+
 class PairedBackend:
     """Wraps an HFBackend: every extraction batch also runs the bare forward of the same padded
     batch (timed into ``bare_s``), alternately before and after the extraction forward. The sanity
@@ -242,12 +275,13 @@ def main() -> None:
     for r in range(args.repeats):
         paired = PairedBackend(backend)
         out = tmp / f"run-{r}" / "hidden"
-        t0 = time.perf_counter()
-        manifest = extract_per_shard(plan, out, settings, paired)
-        wall = time.perf_counter() - t0
-        runs.append((paired.bare_s / (wall - paired.bare_s), paired.bare_s, wall - paired.bare_s))
-    runs.sort()
-    _, bare_s, ext_s = runs[len(runs) // 2]
+        with StepTimes() as steps:
+            t0 = time.perf_counter()
+            manifest = extract_per_shard(plan, out, settings, paired)
+            wall = time.perf_counter() - t0
+        runs.append((paired.bare_s / (wall - paired.bare_s), paired.bare_s, wall - paired.bare_s, steps.seconds))
+    runs.sort(key=lambda r: r[0])
+    _, bare_s, ext_s, step_s = runs[len(runs) // 2]
     n = paired.tokens
     assert manifest["tokens"] == n
     nl, h = len(manifest["layers"]), manifest["hidden_size"]
@@ -272,6 +306,11 @@ def main() -> None:
         "all_files_over_payload_min": round(all_bytes / payload_min, 5),
         "all_files_over_hidden_min": round(all_bytes / hidden_min, 5),
         "k25_projected_over_hidden_min": round((k25 + 9 + overhead_per_token) / k25, 5),
+        # what extraction adds to the forward, per token, and the steps' own seconds (the writes run on a
+        # thread beside the forward: their time overlaps it)
+        "added_ms_per_token": round((ext_s - bare_s) / n * 1e3, 4),
+        "added_state_mb_per_s": round(shard_bytes / max(ext_s - bare_s, 1e-9) / 1e6, 1),
+        "step_seconds": {k: round(v, 3) for k, v in step_s.items()},
     }
     print(f"model {res['model']} ({res['params']:,} params), {args.device}, {args.threads} threads, "
           f"{n} tokens in {res['samples']} samples, stored {args.dtype}")
@@ -284,6 +323,8 @@ def main() -> None:
           f"{res['all_files_over_payload_min']:.5f}   (target <= 1.01)")
     print(f"vs hidden-only min  {res['all_files_over_hidden_min']:>10.5f}   (ids + mask are 9 bytes/token; at K2.5's "
           f"{k25} bytes/token: {res['k25_projected_over_hidden_min']:.5f})")
+    print(f"added per token     {res['added_ms_per_token']:>10.4f} ms   (the states at {res['added_state_mb_per_s']:,.0f} MB/s); "
+          "steps: " + ", ".join(f"{k} {v:.2f} s" for k, v in res["step_seconds"].items()))
     if not args.skip_storage:
         res["storage"] = storage_comparison(tokens, weights, backend, args, tmp)
     if args.json:
