@@ -148,7 +148,7 @@ def compare_rerun(shard_name: str, sample_id: str, batched: tuple[Any, Any], alo
         diff = a64 - b64
         worst_abs = max(worst_abs, float(diff.abs().max()))
         d_norm, b_norm = diff.norm(dim=-1), b64.norm(dim=-1)  # per token (and layer)
-        rel = torch.where(d_norm == 0, torch.zeros_like(d_norm), d_norm / b_norm.clamp_min(torch.finfo(torch.float64).tiny))
+        rel = d_norm / b_norm.clamp_min(torch.finfo(torch.float64).tiny)  # 0 where nothing differs
         k = int(rel.argmax())
         worst = float(rel.flatten()[k])
         worst_rel = max(worst_rel, worst)

@@ -440,7 +440,7 @@ class BudgetLedger:
     def _decide_reserves(self, reserves: list[Reserve], now: float, delta: dict[str, list[float]]) -> list[Decision]:
         """Decide ``reserves`` in order against the accounts' totals as they stand (this batch's
         settlements applied), insert those granted and add them to ``delta`` (the totals table)."""
-        totals = {a: [sp, h] for a, sp, h in self.db.execute("SELECT account, spent, held FROM account_totals")}
+        totals = {a: {"spent": sp, "held": h} for a, sp, h in self.db.execute("SELECT account, spent, held FROM account_totals")}
         out, inserts, checked_others = [], [], False
         others: dict[tuple[str, bool], tuple[int, str, float | None]] = {}  # other processes' rows: same in a batch
         for r in reserves:
@@ -451,7 +451,7 @@ class BudgetLedger:
                 if self._mark_dead():  # held amounts unchanged; the in-flight count is now truthful
                     d = self._decide(r, acct, totals)
             if d.granted:
-                totals.setdefault(acct, [0.0, 0.0])[1] += r.amount
+                totals.setdefault(acct, {"spent": 0.0, "held": 0.0})["held"] += r.amount
                 delta.setdefault(r.dataset, [0.0, 0.0])[1] += r.amount
                 m = r.meta
                 inserts.append((r.ref, r.dataset, m.get("backend"), m.get("model"), m.get("item"), m.get("cache_key"),
@@ -469,12 +469,12 @@ class BudgetLedger:
         return out
 
     @staticmethod
-    def _decide(r: Reserve, acct: str, totals: Mapping[str, list[float]]) -> Decision:
+    def _decide(r: Reserve, acct: str, totals: Mapping[str, Mapping[str, float]]) -> Decision:
         """Whether ``r`` (counting in ``acct``) fits the caps, each summing the accounts of its backend."""
         backend = account_backend(acct)
-        same = [t for name, t in totals.items() if account_backend(name) == backend]
-        s_all, h_all = sum(t[0] for t in same), sum(t[1] for t in same)
-        s_ds, h_ds = totals.get(acct, (0.0, 0.0))
+        s_all, h_all = backend_totals(totals, backend)
+        own = totals.get(acct, {"spent": 0.0, "held": 0.0})
+        s_ds, h_ds = own["spent"], own["held"]
         fill = AHEAD_MAX_FILL if r.ahead else 1.0  # asked ahead of need: only while each cap stays that far from full
         limit = "it" if fill == 1.0 else f"{fill:g} of it"
         if r.budget_usd is not None and s_all + h_all + r.amount > fill * r.budget_usd + EPS:

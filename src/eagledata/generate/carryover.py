@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from eagledata.generate.cache import ResponseCache
+from eagledata.io import open_lines
 
 _KEY = re.compile(rb'"cache_key": ?"([0-9a-f]{64})"')
 
@@ -50,7 +51,7 @@ def carried_answers(path: Path, wanted: set[str]) -> Iterable[dict[str, Any]]:
     """The records of the cache at ``path`` whose ``cache_key`` is in ``wanted`` and whose status is
     200, each once (the first complete line of a key), in file order."""
     seen: set[str] = set()
-    with open(path, "rb") as fh:
+    with open_lines(path) as fh:
         for line in fh:
             if not line.endswith(b"\n"):
                 break  # a torn last line: not a record yet
@@ -97,7 +98,7 @@ def carry_over(cache: ResponseCache, todo: Iterable[str], cache_dir: str | Path,
         rec.pop("ledger_ref", None)
         rec["carried_from"] = name
         cache.append(rec)
-        if cache.write_error is not None or rec["cache_key"] not in cache.index:
+        if cache.write_error is not None:  # else the append indexed it
             break
         carried[name] = carried.get(name, 0) + 1
     return carried

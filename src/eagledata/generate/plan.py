@@ -41,6 +41,7 @@ from eagledata.config import DatasetSettings, dataset_settings
 from eagledata.generate.budget import BILLED_BACKEND, BudgetLedger, ledger_path
 from eagledata.generate.cache import ResponseCache
 from eagledata.generate.carryover import carried_records
+from eagledata.generate.progress import stderr_log
 from eagledata.generate.prompts import canonical_json
 from eagledata.generate.dedup import dataset_option
 from eagledata.generate.requests import dataset_work
@@ -124,10 +125,6 @@ def _mean_completion_tokens(cache_path: Path, index: Mapping[str, tuple[int, int
     return sum(values) / len(values) if values else None
 
 
-def _warn(message: str) -> None:
-    print(message, file=sys.stderr)
-
-
 def plan_dataset(config: Mapping[str, Any], name: str, estimator: PromptEstimator | None = None) -> dict[str, Any]:
     """The plan of one dataset (see the module docstring)."""
     s = dataset_settings(config, name)
@@ -157,7 +154,7 @@ def plan_dataset(config: Mapping[str, Any], name: str, estimator: PromptEstimato
             todo = {k: it for k, it in todo.items() if k not in index}
         carried: set[str] = set()
         if todo and dataset_option(config, name, "dedup"):
-            carried = {rec["cache_key"] for _, rec in carried_records(todo, config["cache_dir"], name, _warn)}
+            carried = {rec["cache_key"] for _, rec in carried_records(todo, config["cache_dir"], name, stderr_log)}
             todo = {k: it for k, it in todo.items() if k not in carried}
         prompt_est = prompt_upper = 0
         for it in todo.values():

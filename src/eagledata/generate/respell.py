@@ -62,25 +62,14 @@ def as_integers(value: Any) -> Any:
     return value
 
 
-def _has_integral_float(value: Any) -> bool:
-    if isinstance(value, float):
-        return value.is_integer()
-    if isinstance(value, dict):
-        return any(_has_integral_float(v) for v in value.values())
-    if isinstance(value, list):
-        return any(_has_integral_float(v) for v in value)
-    return False
-
-
 def settings_spelling(request: Any) -> tuple[str, str] | None:
     """``(normalised settings text, settings text)`` of a cached request whose settings hold an
     integral float; ``None`` otherwise (its spelling is the normalised one, tried anyway)."""
     if not isinstance(request, dict):
         return None
     settings = settings_of(request)
-    if not _has_integral_float(settings):
-        return None
-    return canonical_json(as_integers(settings)), canonical_json(settings)
+    normal, text = canonical_json(as_integers(settings)), canonical_json(settings)
+    return (normal, text) if normal != text else None
 
 
 class Respeller:
