@@ -94,6 +94,88 @@ def test_http_error_and_malformed_bodies():
         assert p.error.where == "malformed" and "not text" in p.error.message and p.content is None
 
 
+
+def _both_readers(body_of):
+    """``body_of(n_filler)`` read as a short stream (the plain reading) and as one of >= 80 lines
+    (through a template): the two parses."""
+    return parse_response(body_of(0)), parse_response(body_of(60))
+
+
+def _filler(n):
+    return [_delta(content="") for _ in range(n)]
+
+
+def test_the_stream_ends_at_its_done_line():
+    after = "data: " + json.dumps(_delta(finish="length", content=" extra")) + "\n\n"
+    for p in _both_readers(lambda n: _sse(_filler(n) + [_delta(content="Hello [DONE]"), _delta(finish="stop")]) + after):
+        assert p.ok and (p.content, p.finish_reason) == ("Hello [DONE]", "stop")
+    # another spelling of [DONE] ends the stream too
+    body = _sse([_delta(content="Hi"), _delta(finish="stop")], done=False) + "data:[DONE] \n\n" + after
+    assert (parse_response(body).content, parse_response(body).finish_reason) == ("Hi", "stop")
+
+
+def test_a_text_that_is_not_a_string_in_a_stream_is_malformed():
+    for bad in (_delta(content=[{"type": "text", "text": " world"}]), _delta(reasoning=5),
+                _delta(tool_calls=[{"index": 0, "id": "c", "function": {"name": "f", "arguments": {"a": 1}}}])):
+        for p in _both_readers(lambda n: _sse(_filler(n) + [_delta(content="Hello"), bad, _delta(finish="stop")])):
+            assert p.error is not None and p.error.where == "malformed" and "not text" in p.error.message, bad
+
+
+def test_tool_call_fragments_without_an_index_continue_their_call():
+    chunks = [_delta(tool_calls=[{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": ""}}]),
+              _delta(tool_calls=[{"function": {"arguments": '{"a":'}}]), _delta(tool_calls=[{"function": {"arguments": "1}"}}]),
+              _delta(tool_calls=[{"id": "call_2", "function": {"name": "g", "arguments": "{}"}}]), _delta(finish="tool_calls")]
+    p = parse_response(_sse(chunks))
+    assert p.ok and [(t.id, t.name, t.arguments) for t in p.tool_calls] == [("call_1", "f", '{"a":1}'), ("call_2", "g", "{}")]
+
+
+def test_a_chunk_cut_over_several_data_lines_is_one_payload():
+    line = json.dumps({"id": "g", **_delta(content="Hello")})
+    cut = line.index('"choices"')
+    split = f"data: {line[:cut]}\ndata: {line[cut:]}\n\n"
+    for p in _both_readers(lambda n: _sse(_filler(n)) .removesuffix("data: [DONE]\n\n") + split + _sse([_delta(finish="stop")])):
+        assert p.ok and p.content == "Hello"
+    # two whole chunks with no blank line between them are two chunks (as a client reading lines takes them)
+    two = "".join("data: " + json.dumps(c) + "\n" for c in (_delta(content="a"), _delta(content="b", finish="stop")))
+    assert parse_response(two + "\ndata: [DONE]\n\n").content == "ab"
+
+
+def test_payloads_that_are_json_only_together_are_refused():
+    body = 'data: {"choices":[{"delta":{"content":"Hel\n\ndata: lo"},"finish_reason":"stop"}]}\n\ndata: {},{}\n\ndata: [DONE]\n\n'
+    assert parse_response(body).error.where == "malformed"
+
+
+def test_reasoning_is_the_first_nonempty_text_in_a_body_and_in_a_stream():
+    details = [{"type": "reasoning.text", "text": "think"}]
+    for fields, expected in (({"reasoning_content": "", "reasoning_details": details}, "think"),
+                             ({"reasoning": "", "reasoning_details": details}, "think"),
+                             ({"reasoning": "", "reasoning_content": "rc"}, "rc"),
+                             ({"reasoning": "r", "reasoning_details": details}, "r"),
+                             ({"reasoning": ""}, ""), ({}, None)):
+        body = parse_response(_json_body(content="ok", **fields))
+        stream = parse_response(_sse([_delta(content="ok", **fields), _delta(finish="stop")]))
+        assert body.reasoning == stream.reasoning == expected, fields
+    # chunk by chunk: a chunk with only details adds its text after one with both
+    chunks = [_delta(reasoning="a", reasoning_details=[{"type": "reasoning.text", "text": "a"}]),
+              _delta(reasoning_details=[{"type": "reasoning.text", "text": "b"}]), _delta(finish="stop", content="x")]
+    assert parse_response(_sse(chunks)).reasoning == "ab"
+
+
+def test_a_stream_after_a_byte_order_mark_or_an_id_line_and_an_unfinished_last_line():
+    body = _sse([_delta(content="x"), _delta(finish="stop")], done=False)
+    for raw in ("\ufeff" + body, "id: 1\n" + body, body + "data: [DON", body + 'data: {"usage": {"prompt_'):
+        p = parse_response(raw)
+        assert p.ok and p.streamed and (p.content, p.finish_reason) == ("x", "stop"), raw[-20:]
+    assert parse_response("\ufeff" + _json_body(content="y")).content == "y"
+    # a cut last line that is all the stream has left is still no answer
+    assert parse_response(_sse([_delta(content="x")], done=False) + 'data: {"choices"').error.code == "stream_incomplete"
+
+
+def test_sglang_native_text_and_abort():
+    native = {"output_ids": [1], "meta_info": {"id": "r", "finish_reason": "abort", "prompt_tokens": 1, "completion_tokens": 1}}
+    assert parse_response(json.dumps({**native, "text": "hi"})).error.code == "abort"
+    assert parse_response(json.dumps({**native, "text": ["hi"]})).error.where == "malformed"
+
 def test_every_recorded_body_parses(recorded):
     for rec in recorded:
         p = parse_response(rec["response_raw"], rec["status"])

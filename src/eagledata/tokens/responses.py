@@ -1,13 +1,19 @@
 """Parse one exact chat-completions response body (JSON or SSE) into a :class:`ParsedResponse`.
 
-Accepted bodies: a JSON object (possibly preceded by keep-alive whitespace padding), or an SSE
-stream of ``data: {...}`` lines with ``: comment`` lines and a final ``data: [DONE]``. Streams are
-assembled the way a client does: text deltas concatenated, tool-call deltas merged by index, the
-last ``usage`` seen kept.
+Accepted bodies: a JSON object (possibly preceded by keep-alive whitespace padding or a byte order
+mark), or an SSE stream of ``data: {...}`` lines with ``: comment`` lines and a final ``data: [DONE]``.
+Streams are read as the SSE format and a client read them: the stream ends at ``[DONE]`` (what follows
+is not read), the ``data:`` lines of one event (up to a blank line) are one payload when only joined
+(by line breaks) are they JSON, an unterminated last line that is not JSON is an event the server never
+finished (dropped); text deltas are concatenated, tool-call deltas merged by index, the last ``usage``
+seen kept. A message's or chunk's reasoning is the first non-empty of ``reasoning``,
+``reasoning_content`` and the texts of ``reasoning_details`` (the same rule for a JSON body and for
+each chunk of a stream).
 
 Errors are values, never exceptions: an HTTP error status, an ``error`` object in a 200 body or in
-a stream chunk, ``finish_reason: "error"``, a body that is not valid JSON/SSE, or a response with no
-choices all yield a :class:`ParsedResponse` with ``error`` set (``code``, ``message``, ``where``).
+a stream chunk, ``finish_reason: "error"``, a body that is not valid JSON/SSE, a text that is not a
+string (content parts, a number, tool-call arguments as an object in a stream), or a response with
+no choices all yield a :class:`ParsedResponse` with ``error`` set (``code``, ``message``, ``where``).
 """
 
 from __future__ import annotations
@@ -82,9 +88,11 @@ def _error_from(obj: Any, where: str) -> ResponseError:
     return ResponseError(None, str(obj), where)
 
 
+_SSE_FIELDS = ("data:", ":", "event:", "id:", "retry:")
+
+
 def is_sse(raw: str) -> bool:
-    head = raw.lstrip()[:6]
-    return head.startswith("data:") or head.startswith(":") or head.startswith("event:")
+    return raw.lstrip("\ufeff \t\r\n").startswith(_SSE_FIELDS)
 
 
 def _reasoning_from_details(details: Any) -> str | None:
@@ -94,8 +102,35 @@ def _reasoning_from_details(details: Any) -> str | None:
     return "".join(texts) if texts else None
 
 
+def _text_of(obj: Mapping[str, Any], key: str, where: str) -> str | None:
+    """``obj[key]`` when it is a string or absent/null; raises ``ValueError`` for any other value
+    (content parts, a number: no text to encode, never dropped silently)."""
+    value = obj.get(key)
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{where}.{key} is a {type(value).__name__}, not text")
+    return value
+
+
+def _reasoning_of(obj: Mapping[str, Any], where: str) -> str | None:
+    """A message's or a chunk delta's reasoning: the first non-empty of ``reasoning``,
+    ``reasoning_content`` and the texts of ``reasoning_details``; else ``""`` when one of them is an
+    empty text, else ``None``. Raises ``ValueError`` when ``reasoning``/``reasoning_content`` is not text."""
+    first = _text_of(obj, "reasoning", where)
+    if first:
+        return first
+    second = _text_of(obj, "reasoning_content", where)
+    if second:
+        return second
+    details = obj.get("reasoning_details")
+    third = _reasoning_from_details(details) if details else None
+    if third:
+        return third
+    return next((t for t in (first, second, third) if t is not None), None)
+
+
 def parse_response(raw: str, status: int = 200) -> ParsedResponse:
     """Parse an exact response body. Never raises on bad input; see the module docstring."""
+    raw = raw.removeprefix("\ufeff")
     streamed = is_sse(raw)
     try:
         parsed = _parse_sse(raw) if streamed else _parse_json(raw)
@@ -131,15 +166,11 @@ def _parse_json(raw: str) -> ParsedResponse:
     msg = choice.get("message") or {}
     if choice.get("error"):
         out.error = _error_from(choice["error"], "body")
-    out.content = msg.get("content")
-    out.reasoning = msg.get("reasoning")
-    if out.reasoning is None:
-        out.reasoning = msg.get("reasoning_content") or _reasoning_from_details(msg.get("reasoning_details"))
-    for name, value in (("content", out.content), ("reasoning", out.reasoning)):
-        if value is not None and not isinstance(value, str):  # content parts, a number...: no text to encode
-            out.content = out.reasoning = None
-            out.error = ResponseError("malformed", f"message.{name} is a {type(value).__name__}, not text", "malformed")
-            return out
+    try:
+        out.content, out.reasoning = _text_of(msg, "content", "message"), _reasoning_of(msg, "message")
+    except ValueError as exc:  # content parts, a number...: no text to encode
+        out.error = ResponseError("malformed", str(exc), "malformed")
+        return out
     for i, tc in enumerate(msg.get("tool_calls") or []):
         fn = tc.get("function") or {}
         args = fn.get("arguments")
@@ -151,17 +182,62 @@ def _parse_json(raw: str) -> ParsedResponse:
     return out
 
 
-def _sse_payloads(lines: list[str]) -> tuple[list[str], bool]:
-    """The payloads of a stream's ``data:`` lines, and whether ``[DONE]`` was among them."""
-    done = False
-    payloads = []
+def _until_done(lines: list[str]) -> tuple[list[str], bool]:
+    """A stream's lines up to its ``data: [DONE]`` line (a client stops reading there: what follows is
+    not part of the answer), and whether it has one. The spelling every server sends is found without
+    a loop in Python; another (``data:[DONE]``, spaces) is looked for only in a stream without it (one
+    before it is then read as a chunk that is not JSON: the stream is refused, never misread)."""
+    try:
+        return lines[:lines.index("data: [DONE]")], True
+    except ValueError:
+        pass
+    for i, line in enumerate(lines):
+        if _data_payload(line) == "[DONE]":
+            return lines[:i], True
+    return lines, False
+
+
+def _unfinished(line: str) -> bool:
+    """Whether ``line``, the last of a stream and not ended by a line break, is a ``data:`` line
+    whose payload is not JSON: an event the server never finished (the SSE format drops it)."""
+    payload = _data_payload(line)
+    if not payload:
+        return False
+    try:
+        loads_json(payload)
+    except ValueError:
+        return True
+    return False
+
+
+def _sse_payloads(lines: list[str]) -> list[str]:
+    """The payloads of a stream's events in order. An event is its ``data:`` lines up to a blank
+    line: one payload, joined by line breaks, when only so are they JSON (the SSE format's rule),
+    else a payload per line (chunks with no blank line between them, as a client reading lines
+    takes them; a JSON text followed by more is never JSON, so the two readings never compete)."""
+    payloads: list[str] = []
+    event: list[str] = []
     for line in lines:
+        if not line:
+            if len(event) > 1:
+                payloads += _event_payloads(event)
+            elif event:
+                payloads.append(event[0])
+            event = []
+            continue
         data = _data_payload(line)
-        if data == "[DONE]":
-            done = True
-        elif data:
-            payloads.append(data)
-    return payloads, done
+        if data:
+            event.append(data)
+    return payloads + (_event_payloads(event) if len(event) > 1 else event)
+
+
+def _event_payloads(event: list[str]) -> list[str]:
+    joined = "\n".join(event)
+    try:
+        loads_json(joined)
+    except ValueError:
+        return event
+    return [joined]
 
 
 def _data_payload(line: str) -> str | None:
@@ -170,25 +246,14 @@ def _data_payload(line: str) -> str | None:
     return line[5:].strip() if line.startswith("data:") else None
 
 
-def _parse_payloads(payloads: list[str]) -> list[Any]:
-    """Every payload parsed; raises on the first that is not JSON."""
-    try:  # one parse of all chunks is several times faster than one json.loads per chunk
-        chunks = loads_json("[" + ",".join(payloads) + "]")
-        if len(chunks) != len(payloads):
-            raise ValueError("chunk count changed")
-    except ValueError:
-        chunks = [loads_json(p) for p in payloads]  # raises on the offending chunk (json.loads's error)
-    return chunks
-
-
 def _read_lines(lines: list[str], start: int, end: int, stream: "_StreamAssembly") -> None:
-    """Fold the ``data:`` lines of ``lines[start:end]`` into ``stream`` in order, until a text chunk
-    teaches a template; the rest is then read by it (:func:`_read_templated`)."""
+    """Fold the ``data:`` lines of ``lines[start:end]`` into ``stream`` in order, each its own
+    chunk, until a text chunk teaches a template; the rest is then read by it
+    (:func:`_read_templated`). Raises ``ValueError`` for a line that is not JSON (say, one line of
+    a chunk the server cut over several: the plain reading joins them)."""
     for i in range(start, end):
         payload = _data_payload(lines[i])
-        if payload == "[DONE]":
-            stream.done = True
-        elif payload:
+        if payload:
             chunk = loads_json(payload)
             stream.add_chunk(chunk)
             fields = _text_fields(chunk) if stream.templates_left else None
@@ -200,12 +265,25 @@ def _read_lines(lines: list[str], start: int, end: int, stream: "_StreamAssembly
                     return
 
 
+def _texts_by_kind(kinds: tuple[str, ...], texts: list[list[str]]) -> list[tuple[str, list[str]]]:
+    """A template's decoded holes as the stream's texts: its content, and line by line its reasoning
+    as :func:`_reasoning_of` picks it (the reasoning hole when not empty, else the details hole)."""
+    holes = dict(zip(kinds, texts))
+    out = [("content", holes["content"])] if "content" in holes else []
+    reasoning, details = holes.get("reasoning"), holes.get("details")
+    if reasoning is not None and details is not None:
+        out.append(("reasoning", [r or d for r, d in zip(reasoning, details)]))
+    elif reasoning is not None or details is not None:
+        out.append(("reasoning", reasoning if reasoning is not None else details))
+    return out
+
+
 def _read_templated(lines: list[str], start: int, end: int, template: ChunkTemplate,
                     stream: "_StreamAssembly") -> None:
     """Fold ``lines[start:end]`` into ``stream``: each line the template matches adds its texts
     (all decoded in one parse); the other lines between two matches are read by :func:`_read_lines`."""
     found, texts = template.match_lines(lines, start, end)
-    per_hole = [(stream.texts[kind], texts[h]) for h, kind in enumerate(template.kinds)]
+    per_hole = [(stream.texts[kind], hole) for kind, hole in _texts_by_kind(template.kinds, texts)]
     n = len(found)
     if n and found[-1] - found[0] == 2 * (n - 1) and not any(lines[found[0] + 1:found[-1]:2]):
         # the usual stream: every other line matched, blank lines between; only its ends can hold others
@@ -236,12 +314,16 @@ def _text_fields(chunk: Any) -> dict[str, str] | None:
     delta = choice.get("delta")
     if choice.get("finish_reason") or choice.get("error") or not isinstance(delta, dict) or delta.get("tool_calls"):
         return None
+    texts = {key: delta.get(key) for key in ("content", "reasoning", "reasoning_content")}
+    if any(v is not None and not isinstance(v, str) for v in texts.values()) \
+            or (texts["reasoning"] is not None and texts["reasoning_content"] is not None):
+        return None  # not text (read plainly: refused), or two reasoning texts to choose from per line
     fields = {}
-    if isinstance(delta.get("content"), str):
+    if texts["content"] is not None:
         fields["content"] = "content"
-    if isinstance(delta.get("reasoning"), str):
+    if texts["reasoning"] is not None:
         fields["reasoning"] = "reasoning"
-    elif isinstance(delta.get("reasoning_content"), str):
+    elif texts["reasoning_content"] is not None:
         fields["reasoning_content"] = "reasoning"
     details = delta.get("reasoning_details")
     if details:
@@ -255,8 +337,16 @@ def _text_fields(chunk: Any) -> dict[str, str] | None:
 
 
 def _add_tool_call_delta(calls: dict[int, ToolCall], tc: Mapping[str, Any]) -> None:
-    """Fold one streamed tool-call fragment into the call at its index."""
-    idx = tc.get("index", len(calls))
+    """Fold one streamed tool-call fragment into the call at its ``index``. A fragment without one
+    (the OpenAI format always has it) continues the last call begun, unless it carries another id
+    than that call's: then it begins a new call. Raises ``ValueError`` for arguments that are not
+    text (fragments of an object cannot be joined)."""
+    idx = tc.get("index")
+    if idx is None:
+        last = next(reversed(calls), None)
+        new_id = tc.get("id")
+        starts = last is None or bool(new_id and calls[last].id and new_id != calls[last].id)
+        idx = (max(calls) + 1 if calls else 0) if starts else last
     fn = tc.get("function") or {}
     call = calls.setdefault(idx, ToolCall(None, "", "", idx))
     if tc.get("id") and not call.id:
@@ -267,6 +357,8 @@ def _add_tool_call_delta(calls: dict[int, ToolCall], tc: Mapping[str, Any]) -> N
     args = fn.get("arguments")
     if isinstance(args, str):
         call.arguments += args
+    elif args is not None:
+        raise ValueError(f"delta.tool_calls[{idx}].function.arguments is a {type(args).__name__}, not text")
 
 
 class _StreamAssembly:
@@ -275,10 +367,10 @@ class _StreamAssembly:
 
     def __init__(self) -> None:
         self.out = ParsedResponse(streamed=True)
-        self.texts: dict[str, list[str]] = {"content": [], "reasoning": [], "details": []}
+        self.texts: dict[str, list[str]] = {"content": [], "reasoning": []}
         self.calls: dict[int, ToolCall] = {}
         self.gid = self.provider = self.model = None
-        self.done = False  # [DONE] seen
+        self.done = False  # the stream has its [DONE]
         # at most this many text-chunk templates are learned: a thinking stream needs two (reasoning,
         # then content); one that matches nothing costs a scan of the rest of the stream, so a stream
         # whose chunks all differ (say in a per-chunk timestamp) is soon read chunk by chunk
@@ -307,19 +399,12 @@ class _StreamAssembly:
                 out.error = _error_from(choice["error"], "stream")
 
     def _add_delta(self, delta: Mapping[str, Any]) -> None:
-        text = delta.get("content")
-        if isinstance(text, str):
+        text = _text_of(delta, "content", "delta")
+        if text is not None:
             self.texts["content"].append(text)
-        text = delta.get("reasoning")
-        if not isinstance(text, str):
-            text = delta.get("reasoning_content")
-        if isinstance(text, str):
+        text = _reasoning_of(delta, "delta")
+        if text is not None:
             self.texts["reasoning"].append(text)
-        details = delta.get("reasoning_details")
-        if details:
-            dt = _reasoning_from_details(details)
-            if dt is not None:
-                self.texts["details"].append(dt)
         for tc in delta.get("tool_calls") or ():
             _add_tool_call_delta(self.calls, tc)
 
@@ -328,10 +413,7 @@ class _StreamAssembly:
         out.generation_id, out.provider, out.model = self.gid or None, self.provider or None, self.model or None
         # a text seen at all, even empty, is a text ("" and None differ)
         out.content = "".join(texts["content"]) if texts["content"] else None
-        if texts["reasoning"]:
-            out.reasoning = "".join(texts["reasoning"])
-        elif texts["details"]:
-            out.reasoning = "".join(texts["details"])
+        out.reasoning = "".join(texts["reasoning"]) if texts["reasoning"] else None
         out.tool_calls = [self.calls[i] for i in sorted(self.calls)]
         if out.error is None and not self.done and out.finish_reason is None:
             out.error = ResponseError("stream_incomplete", "stream ended without finish_reason or [DONE]", "stream")
@@ -344,24 +426,27 @@ _TEMPLATED_LINES = 80
 
 def _parse_sse(raw: str) -> ParsedResponse:
     """Lines end at CRLF, CR or LF, as the SSE format says (``str.splitlines`` would also cut a line
-    at a U+2028 or U+0085 that JSON allows raw inside a string). Text chunks are read through their
-    stream's template (:mod:`eagledata.tokens.chunk_templates`); a stream that cannot be read whole
-    that way (a chunk that is not JSON, not an object...) is read again the plain way, every chunk
-    parsed before any is folded, so its error is the one the plain reading reports."""
+    at a U+2028 or U+0085 that JSON allows raw inside a string); the stream ends at its ``[DONE]``.
+    Text chunks are read through their stream's template (:mod:`eagledata.tokens.chunk_templates`);
+    a stream that cannot be read whole that way (a chunk that is not JSON, not an object, cut over
+    several lines...) is read again the plain way (:func:`_sse_payloads`), every chunk parsed on its
+    own before any is folded, so its error is the one the plain reading reports."""
     if "\r" in raw:
         raw = raw.replace("\r\n", "\n").replace("\r", "\n")
-    lines = raw.split("\n")
+    lines, done = _until_done(raw.split("\n"))
+    if not done and lines[-1] and _unfinished(lines[-1]):  # a last line with no line break
+        lines.pop()
     if len(lines) >= _TEMPLATED_LINES:
         stream = _StreamAssembly()
+        stream.done = done
         try:
             _read_lines(lines, 0, len(lines), stream)
             return stream.result()
         except (ValueError, TypeError, AttributeError):
             pass
-    payloads, done = _sse_payloads(lines)
     stream = _StreamAssembly()
     stream.done = done
-    for chunk in _parse_payloads(payloads):
+    for chunk in [loads_json(p) for p in _sse_payloads(lines)]:  # raises on the first that is not JSON
         stream.add_chunk(chunk)
     return stream.result()
 
@@ -372,9 +457,11 @@ def _parse_sglang_native(body: dict) -> ParsedResponse:
     meta = body.get("meta_info") or {}
     finish = meta.get("finish_reason") or {}
     kind = finish.get("type") if isinstance(finish, dict) else finish
-    out = ParsedResponse(streamed=False, generation_id=meta.get("id"), provider="SGLang", content=body.get("text"),
+    text = _text_of(body, "text", "body")  # raises for a text that is not one (malformed)
+    out = ParsedResponse(streamed=False, generation_id=meta.get("id"), provider="SGLang", content=text,
                          finish_reason={"stop": "stop", "length": "length", "abort": "error"}.get(kind, kind),
                          usage={"prompt_tokens": meta.get("prompt_tokens"), "completion_tokens": meta.get("completion_tokens")})
     if kind == "abort":
-        out.error = ResponseError("abort", str(finish.get("message") or "request aborted"), "finish")
+        message = finish.get("message") if isinstance(finish, dict) else None
+        out.error = ResponseError("abort", str(message or "request aborted"), "finish")
     return out
