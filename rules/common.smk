@@ -35,22 +35,24 @@ STAMPS = f"{RESULTS}/_code"
 CODE_STAMPS = {}  # stamp name -> the files it hashes
 
 
-def code_files(script, *data):
-    """Module files ``script`` (relative to the Snakefile) imports, then ``data`` files of the package."""
+def code_files(script, *data, shell=False):
+    """Module files ``script`` (relative to the Snakefile) imports, then ``data`` files of the package;
+    with ``shell`` (a rule that runs it as a shell command, which Snakemake does not track as it
+    tracks a ``script:``), and ``script`` itself."""
     files = stage_code(WORKFLOW_DIR / script, PACKAGE_DIR, Path.cwd(), cache_file=".snakemake/eagledata/imports.json")
     cwd = Path.cwd().resolve()
-    for name in data:
-        path = (PACKAGE_DIR / "data" / name).resolve()
+    extra = [(WORKFLOW_DIR / script).resolve()] if shell else []
+    for path in extra + [(PACKAGE_DIR / "data" / name).resolve() for name in data]:
         files.append(str(path.relative_to(cwd)) if cwd in path.parents else str(path))
     return files
 
 
-def code_of(script, *data):
+def code_of(script, *data, shell=False):
     """The code input of the rules that run ``script``: the stamp of :func:`code_files` (one file)."""
     name = Path(script).stem
     if data:
         name = f"{name}+{hashlib.sha256(chr(0).join(data).encode('utf-8')).hexdigest()[:8]}"
-    CODE_STAMPS[name] = code_files(script, *data)
+    CODE_STAMPS[name] = code_files(script, *data, shell=shell)
     return [f"{STAMPS}/scripts/{name}.sha256"]
 
 
@@ -104,8 +106,8 @@ STAGE_STAMPS = {}  # stage stamp name -> the code stamps it covers
 def stage_stamp(name, *scripts):
     """One stamp per dataset of the code of ``scripts``, the dataset model's tokenizer files and its
     tokenizer settings (rules/stamps.smk), for the per-shard jobs: a plain pattern (no input
-    function), one input."""
-    STAGE_STAMPS[name] = [code_of(s)[0] for s in scripts]
+    function), one input. Those jobs run ``scripts`` as shell commands, so the scripts are stamped too."""
+    STAGE_STAMPS[name] = [code_of(s, shell=True)[0] for s in scripts]
     return f"{STAMPS}/datasets/{{dataset}}/{name}.sha256"
 
 

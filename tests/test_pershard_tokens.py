@@ -295,7 +295,8 @@ def test_one_new_response_rebuilds_only_its_shard(tmp_path):
     """Real snakemake on an imported dataset of 300 responses in about 30 shards: adding one response
     reruns the plan, one token_shard job and what follows (the dataset's learning, judging and
     gathering job, validation); every other shard's reconstruction is up to date, its slice and part
-    keep their bytes and mtimes, and its final shard in the store keeps its file."""
+    keep their bytes and mtimes, and its final shard in the store keeps its file. A setting that decides
+    token ids, or an edit of the shard job's script, reruns every shard."""
     from test_workflow import _copy_repo, planned_jobs, snakemake
 
     work = _copy_repo(tmp_path / "w")
@@ -342,4 +343,12 @@ def test_one_new_response_rebuilds_only_its_shard(tmp_path):
     jobs = planned_jobs(work, "rec")
     assert jobs.get("stage_stamp") == 1 and jobs.get("token_shard") == shards_now and jobs.get("tokens") == 1, jobs
     (work / "config/config.yaml").write_text(yaml.safe_dump(config))
+    assert planned_jobs(work, "rec") == {}
+
+    # the per-shard job's own script (a shell command: Snakemake does not track it as a script:) is stamped
+    script = work / "scripts/token_shard.py"
+    original = script.read_text()
+    script.write_text(original + "\n# an edit\n")
+    assert planned_jobs(work, "rec").get("token_shard") == shards_now
+    script.write_text(original)
     assert planned_jobs(work, "rec") == {}
