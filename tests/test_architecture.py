@@ -212,6 +212,36 @@ def test_a_stamp_changes_with_content_only(tmp_path):
     assert write_stamp(inputs, tmp_path / "s" / "stamp") != first
 
 
+BASE_MODULE = '''"""Module doc."""
+import os  # why
+
+
+def f(x):
+    """Doc of f, \u00e9."""; y = "# not a comment"
+    return x + 1
+'''
+
+
+def test_a_module_counts_in_a_stamp_by_its_code_only(tmp_path):
+    """Comments, docstrings, trailing space and blank lines of a module leave its stamp as it was (the
+    resume key of stored hidden states is a stamp's content); any change of code, among them a string
+    that only looks like a comment and a statement sharing a docstring's line, gives another."""
+    module = tmp_path / "m.py"
+
+    def stamp(text):
+        module.write_text(text, encoding="utf-8")
+        return write_stamp([module], tmp_path / "stamp")
+
+    first = stamp(BASE_MODULE)
+    for same in (BASE_MODULE.replace("# why", "# another reason"), BASE_MODULE.replace("Doc of f, \u00e9.", "Other"),
+                 BASE_MODULE.replace('"""Module doc."""', "'Doc'") + "\n\n   \n", BASE_MODULE.replace("x + 1", "x + 1   ")):
+        assert stamp(same) == first, same
+    for other in (BASE_MODULE.replace("x + 1", "x + 2"), BASE_MODULE.replace('"# not a comment"', '""'),
+                  BASE_MODULE.replace('y = "# not a comment"', 'y = 2'), BASE_MODULE.replace("import os", "import sys")):
+        assert stamp(other) != first, other
+    assert stamp("def broken(:\n") != stamp("def broken(:  \n")  # not Python: byte for byte
+
+
 @pytest.mark.parametrize("script", ["tokens.py", "validate.py", "report.py", "export.py", "extract.py"])
 def test_stage_scripts_reach_their_package_in_one_hop(script):
     """rules/X.smk -> scripts/X.py -> eagledata/X/: the stage's own package is among its code inputs."""

@@ -951,3 +951,24 @@ def test_shard_jobs_record_their_model_load_and_the_gather_warns_when_loads_domi
         warn_model_loads(job_time([{"model_load_s": 1.5, "seconds": 3.0}] * 2))
         warn_model_loads(job_time([{"model_load_s": 45.0, "seconds": 90.0, "resumed": True}] * 2))
     assert [r.getMessage()[:36] for r in caplog.records] == ["loading the model took 33% of the ex"]
+
+
+def test_the_model_fingerprint_leaves_out_tokenizer_and_sampling_files(tmp_path):
+    """A weights directory's identity (a resume key of its hidden shards; the files the extraction rules
+    declare) is its config, weights and other JSON (an index), not the tokenizer's files or
+    generation_config.json kept beside them: editing those re-extracted every shard."""
+    from eagledata.extract.storage import model_files, model_fingerprint
+
+    files = {"config.json": '{"hidden_size": 8}', "model.safetensors": "w1", "model.safetensors.index.json": "{}",
+             "generation_config.json": '{"temperature": 1.0}', "tokenizer_config.json": "{}"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    first = model_fingerprint(tmp_path)
+    assert [p.name for p in model_files(tmp_path)] == ["config.json", "model.safetensors", "model.safetensors.index.json"]
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6}')
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "changed"}')
+    assert model_fingerprint(tmp_path) == first
+    for name, text in (("model.safetensors", "w2"), ("model.safetensors.index.json", '{"a": 1}'), ("config.json", "{}")):
+        (tmp_path / name).write_text(text)
+        assert model_fingerprint(tmp_path) != first, name
+        first = model_fingerprint(tmp_path)

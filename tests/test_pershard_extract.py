@@ -3,7 +3,8 @@ snakemake runs of the demo (stand-in responses, the tiny random DeepSeek-V3 on C
 
 * one new prompt at the top, in the middle or at the end re-extracts only the shard holding it: every
   other hidden shard keeps its sha256 and mtime, and the dry run plans one extract_shard job (the three
-  places tried side by side, each on its own copy of one finished run);
+  places tried side by side, each on its own copy of one finished run); an edit of comments and a
+  docstring in the extraction code re-extracts nothing (a fourth copy);
 * with 8 simulated GPUs and 16 shards at one GPU per job, 8 extract jobs hold a device at once and
   no device is ever held by two jobs (--resources gpu=8), and a failed shard job is the only one
   redone (one run for both).
@@ -108,6 +109,19 @@ def _add_one_prompt(work: Path, where: str, new_id: str) -> None:
     assert planned_jobs(work, HIDDEN) == {}
 
 
+def _edit_comments(work: Path, where: str, new_id: str) -> None:
+    """A comment and a docstring edited in the extraction code (``where``/``new_id``: unused): every
+    hidden shard is kept, same bytes and mtime; a shard job that reran took its shard from the store."""
+    before, records_before = _store(work), _records(work)
+    module = work / "src/eagledata/extract/core.py"
+    module.write_text(module.read_text().replace('"""', '"""(An edited docstring.) ', 1) + "\n# an edited comment\n")
+    snakemake(work, HIDDEN, *ONE_THREAD)
+    assert _store(work) == before
+    records = _records(work)
+    assert records.keys() == records_before.keys()
+    assert all(r["resumed"] or r == records_before[k] for k, r in records.items()), records
+
+
 def test_one_new_prompt_reextracts_only_the_shard_holding_it(demo_run, tmp_path):
     work = copy_run(demo_run, tmp_path / "w")
     prompts = work / "data" / "chat.jsonl"
@@ -126,9 +140,10 @@ def test_one_new_prompt_reextracts_only_the_shard_holding_it(demo_run, tmp_path)
     assert at["top"] == 0 < at["middle"] < at["end"] == len(keys) - 1, at
     # each place on its own copy of the finished run (copy_run keeps mtimes: nothing out of date), side
     # by side: the runs are chains of one-process jobs, so three of them keep both cores busy
-    copies = {where: copy_run(work, tmp_path / where) for where in new_ids}
+    copies = {where: copy_run(work, tmp_path / where) for where in [*new_ids, "comments"]}
+    steps = {**{where: _add_one_prompt for where in new_ids}, "comments": _edit_comments}
     with ThreadPoolExecutor(len(copies)) as pool:
-        list(pool.map(lambda where: _add_one_prompt(copies[where], where, new_ids[where]), copies))
+        list(pool.map(lambda where: steps[where](copies[where], where, new_ids.get(where, "")), copies))
 
 
 @pytest.fixture(scope="module")

@@ -15,18 +15,23 @@ and ``stage_stamp`` jobs) hashes them into one small file, and the rule declares
 workflow of thousands of per-shard jobs builds one input per job instead of some 25 (the dry run's
 cost). The stamp job reruns only on a content change (Snakemake compares the recorded checksums of a
 newer input), and a rerun stamp is newer than every job that declares it, so those jobs rerun then.
+A module counts in a stamp by its code only (:func:`code_digest`: comments and docstrings left out),
+so a job that keys stored results on a stamp's content (extraction's resume key) keeps them when only
+those changed.
 """
 
 from __future__ import annotations
 
 import ast
 import hashlib
+import io
 import json
+import tokenize
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from eagledata.io import atomic_write_text, sha256_file, sha256_text
+from eagledata.io import atomic_write_text, sha256_text
 
 PACKAGE = "eagledata"
 
@@ -164,15 +169,71 @@ def package_dir_for(workflow_dir: str | Path) -> Path:
     return Path(eagledata.__file__).resolve().parent
 
 
+def code_digest(path: str | Path) -> str:
+    """The sha256 of a file; of a Python module, of its code only: its text without comments and
+    docstrings, each line without trailing space, blank lines left out (the same text under every
+    Python version: spans cut from the source, not a token or AST dump). Code that reads a docstring
+    (an argparse description) is not told apart. A module that does not parse counts byte for byte."""
+    data = Path(path).read_bytes()
+    if Path(path).suffix == ".py":
+        try:
+            text = data.decode("utf-8")
+            spans = sorted(_comment_spans(text) + _docstring_spans(text))
+        except (SyntaxError, UnicodeDecodeError, tokenize.TokenError, ValueError):
+            return hashlib.sha256(data).hexdigest()
+        kept, at = [], 0
+        for start, end in spans:
+            if start >= at:
+                kept.append(text[at:start])
+                at = end
+        kept.append(text[at:])
+        lines = (line.rstrip() for line in "".join(kept).splitlines())
+        data = "\n".join(line for line in lines if line).encode("utf-8")
+    return hashlib.sha256(data).hexdigest()
+
+
+def _line_starts(text: str) -> list[int]:
+    starts, at = [0], 0
+    for line in text.splitlines(keepends=True):
+        at += len(line)
+        starts.append(at)
+    return starts
+
+
+def _comment_spans(text: str) -> list[tuple[int, int]]:
+    """Character offsets of ``text``'s comments (tokenize's columns count characters)."""
+    starts = _line_starts(text)
+    return [(starts[t.start[0] - 1] + t.start[1], starts[t.end[0] - 1] + t.end[1])
+            for t in tokenize.generate_tokens(io.StringIO(text).readline) if t.type == tokenize.COMMENT]
+
+
+def _docstring_spans(text: str) -> list[tuple[int, int]]:
+    """Character offsets of the docstrings of ``text``'s module, classes and functions (the ast's
+    columns count UTF-8 bytes: turned into characters line by line)."""
+    starts, lines = _line_starts(text), text.splitlines(keepends=True)
+
+    def offset(row: int, byte_col: int) -> int:
+        return starts[row - 1] + len(lines[row - 1].encode("utf-8")[:byte_col].decode("utf-8"))
+
+    spans = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                spans.append((offset(first.lineno, first.col_offset), offset(first.end_lineno, first.end_col_offset)))
+    return spans
+
+
 def stamp_lines(paths: list[str | Path]) -> list[str]:
-    """``sha256  path`` of every file in ``paths``, a directory standing for every file under it
-    (walked in sorted order); the paths as given, so the stamp reads like the rule's inputs."""
+    """``digest  path`` of every file in ``paths`` (:func:`code_digest`), a directory standing for
+    every file under it (walked in sorted order); the paths as given, so the stamp reads like the
+    rule's inputs."""
     lines = []
     for given in paths:
         path = Path(given)
         files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
         for f in files:
-            lines.append(f"{sha256_file(f)}  {f if f == path else Path(given) / f.relative_to(path)}")
+            lines.append(f"{code_digest(f)}  {f if f == path else Path(given) / f.relative_to(path)}")
     return lines
 
 
