@@ -15,9 +15,11 @@ if "final_norm" in config["extraction"]:
 
 
 # each dataset's extraction.max_seq_len / on_long: a rule param, so a change reruns its extraction
+# (on_long decides nothing without a max_seq_len: one value then, as in the shards' resume key)
 LENGTH_LIMITS = {
     name: {"max_seq_len": (d.get("extraction") or {}).get("max_seq_len"),
-           "on_long": (d.get("extraction") or {}).get("on_long", "truncate")}
+           "on_long": (d.get("extraction") or {}).get("on_long", "truncate")
+           if (d.get("extraction") or {}).get("max_seq_len") is not None else "truncate"}
     for name, d in config["datasets"].items()
 }
 

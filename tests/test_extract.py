@@ -902,6 +902,11 @@ def test_per_shard_jobs_give_the_one_process_extraction_and_resume_on_code_ident
     tokens_manifest = json.loads((tokens / "manifest.json").read_text())
     dst = store / output_name(shards[0]["file"])
     assert stored_record(code2.run(tokens_manifest, store), dst, shards[0]["sha256"]) is not None
+    # without a max_seq_len, on_long decides nothing: the stored shard is reused; with one, it is not
+    assert stored_record(ExtractionSettings(**{**code2.__dict__, "on_long": "skip"}).run(tokens_manifest, store),
+                         dst, shards[0]["sha256"]) is not None
+    assert stored_record(ExtractionSettings(**{**code2.__dict__, "max_seq_len": 10 ** 6}).run(tokens_manifest, store),
+                         dst, shards[0]["sha256"]) is None
     for other in ({"backend": "sglang"}, {"backend": "sglang", "backend_options": {"server_args": {"quantization": "fp8"}}}):
         run = ExtractionSettings(**{**code2.__dict__, **other}).run(tokens_manifest, store)
         assert stored_record(run, dst, shards[0]["sha256"]) is None, other

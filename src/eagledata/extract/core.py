@@ -131,7 +131,10 @@ def plan_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
 
 
 def limit_key(max_seq_len: int | None, on_long: str) -> str:
-    """The ``length_limit`` metadata value of a shard (a resume key: a changed limit re-extracts)."""
+    """The ``length_limit`` metadata value of a shard (a resume key: a changed limit re-extracts).
+    Without a limit, what to do with a longer sample decides nothing: one key whatever ``on_long``."""
+    if max_seq_len is None:
+        on_long = "truncate"
     return json.dumps({"max_seq_len": max_seq_len, "on_long": on_long}, sort_keys=True)
 
 
