@@ -5,7 +5,7 @@ from pathlib import Path
 
 from eagledata.codeinputs import package_dir_for, stage_code
 from eagledata.config import dataset_settings, validate_config
-from eagledata.extract.storage import model_files
+from eagledata.extract.weights import model_files
 from eagledata.generate.prompts import canonical
 from eagledata.generate.requests import TOKENIZER_IDENTITY
 from eagledata.generate.ruleinputs import GenerateRuleInputs
@@ -123,7 +123,7 @@ _WEIGHT_FILES = {}  # weights directory -> its files (listed once per Snakemake 
 
 
 def weight_files_input(wildcards):
-    """The files of the weights directory that make the model (eagledata.extract.storage.model_files,
+    """The files of the weights directory that make the model (eagledata.extract.weights.model_files,
     what its model_fingerprint reads; not the tokenizer's or generation_config.json): a directory input
     alone is judged by the directory's own mtime, which a weight file rewritten in place does not
     change. A directory a rule builds (the demo model) is judged as that rule's output."""

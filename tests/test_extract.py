@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -962,7 +964,7 @@ def test_the_model_fingerprint_leaves_out_tokenizer_and_sampling_files(tmp_path)
     """A weights directory's identity (a resume key of its hidden shards; the files the extraction rules
     declare) is its config, weights and other JSON (an index), not the tokenizer's files or
     generation_config.json kept beside them: editing those re-extracted every shard."""
-    from eagledata.extract.storage import model_files, model_fingerprint
+    from eagledata.extract.weights import model_files, model_fingerprint
 
     files = {"config.json": '{"hidden_size": 8}', "model.safetensors": "w1", "model.safetensors.index.json": "{}",
              "generation_config.json": '{"temperature": 1.0}', "tokenizer_config.json": "{}"}
@@ -977,3 +979,30 @@ def test_the_model_fingerprint_leaves_out_tokenizer_and_sampling_files(tmp_path)
         (tmp_path / name).write_text(text)
         assert model_fingerprint(tmp_path) != first, name
         first = model_fingerprint(tmp_path)
+
+
+def test_a_large_models_files_count_by_content_read_once_per_version(tmp_path, monkeypatch):
+    """Above the full-hash limit, a weight file's digest is remembered by (path, size, mtime, inode): a
+    touch or a copy reads it again and keeps the fingerprint (the stored shards), new bytes of the same
+    size change it, and an unchanged file is not read again."""
+    from eagledata.extract import weights as w
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"a" * 4096)
+    cache = tmp_path / "cache"
+    first = w.model_fingerprint(model, full_hash_limit=1024, cache=cache)
+    reads = []
+    real = w._xxh3_file
+    monkeypatch.setattr(w, "_xxh3_file", lambda p: reads.append(p.name) or real(p))
+    assert w.model_fingerprint(model, full_hash_limit=1024, cache=cache) == first and reads == []
+    os.utime(model / "model.safetensors", ns=(1, 1))  # a touch (or a copy without -p)
+    assert w.model_fingerprint(model, full_hash_limit=1024, cache=cache) == first and reads == ["model.safetensors"]
+    copy = tmp_path / "staged"
+    shutil.copytree(model, copy)
+    assert w.model_fingerprint(copy, full_hash_limit=1024, cache=cache) == first
+    (model / "model.safetensors").write_bytes(b"b" * 4096)  # new weights, same size (a fine-tune)
+    assert w.model_fingerprint(model, full_hash_limit=1024, cache=cache) != first
+    (cache / "weight-digests.json").write_text("{damaged")
+    assert w.model_fingerprint(copy, full_hash_limit=1024, cache=cache) == first

@@ -82,6 +82,7 @@ from eagledata.extract.limits import (
     over_trainer_max,
 )
 from eagledata.extract.norm import FINAL_STORED, NORM_FORMULA, NORM_KIND
+from eagledata.extract.weights import model_fingerprint
 from eagledata.extract.storage import (
     FORMAT,
     RESUME_KEYS,
@@ -91,7 +92,6 @@ from eagledata.extract.storage import (
     check_disk_space,
     estimate_shard_bytes,
     loss_mask_for,
-    model_fingerprint,
     output_name,
     publish_dir,
     read_shard_metadata,

@@ -6,8 +6,8 @@
   :class:`BackgroundWriter` (writes on a thread while the next batch runs), :func:`check_disk_space`
   against a shard's exact size (:func:`estimate_shard_bytes`);
 * resuming: :func:`read_shard_metadata` (a shard's header, ``None`` when torn) compared on
-  :data:`RESUME_KEYS`, :func:`model_files`, :func:`model_fingerprint`, :func:`shard_sha256` (reused while size and mtime
-  are unchanged);
+  :data:`RESUME_KEYS` (the model's identity: :mod:`eagledata.extract.weights`), :func:`shard_sha256`
+  (reused while size and mtime are unchanged);
 * the dataset's files: ``index.parquet`` (:func:`write_index`, :func:`read_index`), ``manifest.json``
   (:func:`write_manifest`) and :func:`publish_dir` (a work directory renamed onto the output).
 
@@ -17,7 +17,6 @@ torch, numpy, polars and safetensors are imported inside functions.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import os
@@ -42,46 +41,6 @@ ST_CODES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int64": "I6
             "float8_e4m3fn": "F8_E4M3"}
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int8": 1, "float8_e4m3fn": 1}
 TOKEN_COLUMNS = ["id", "input_ids", "prompt_len", "completion_len", "train"]
-
-
-
-#: Files of a weights directory that cannot change its hidden states: sampling defaults and the
-#: tokenizer (which decides token ids, and so the token shards, extraction's input, already). Often kept
-#: beside the weights (Kimi K2.5's checkpoint), where an edit of them re-extracted every shard.
-NOT_MODEL_FILES = frozenset({
-    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-    "added_tokens.json", "chat_template.json", "vocab.json", "preprocessor_config.json",
-})
-
-
-def model_files(weights: str | Path) -> list[Path]:
-    """The files of a weights directory that make the model, sorted: ``config.json``, the weights
-    (``*.safetensors``, ``*.bin``) and every other ``*.json`` (an index, a quantization config) but
-    :data:`NOT_MODEL_FILES`. The workflow's extraction rules declare the same files."""
-    root = Path(weights)
-    return sorted(p for p in root.glob("*") if p.suffix in (".safetensors", ".bin", ".json")
-                  and p.name not in NOT_MODEL_FILES and p.is_file()) if root.is_dir() else []
-
-
-def model_fingerprint(weights: str | Path, full_hash_limit: int = 256 << 20) -> str:
-    """Identity of a weights directory: sha256 over ``config.json`` and the contents of the other
-    :func:`model_files` when they total at most ``full_hash_limit`` bytes, else over their names,
-    sizes and mtimes (hashing hundreds of GB to decide a resume is not worth it; a rebuild then forces
-    a rerun)."""
-    root = Path(weights)
-    h = hashlib.sha256()
-    cfg = root / "config.json"
-    h.update(cfg.read_bytes() if cfg.exists() else str(root).encode())
-    files = [p for p in model_files(root) if p.name != "config.json"]
-    total = sum(p.stat().st_size for p in files)
-    for p in files:
-        h.update(p.name.encode() + b"\0")
-        if total <= full_hash_limit:
-            h.update(sha256_file(p).encode())
-        else:
-            st = p.stat()
-            h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
-    return h.hexdigest()
 
 
 

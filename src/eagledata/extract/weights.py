@@ -1,0 +1,104 @@
+"""The identity of a weights directory: what a stored hidden shard was extracted with (a resume key,
+:data:`~eagledata.extract.storage.RESUME_KEYS`), and the files the workflow's extraction rules declare.
+
+* :func:`model_files`: ``config.json``, the weights and every other ``*.json`` but
+  :data:`NOT_MODEL_FILES` (the tokenizer's files and sampling defaults, often kept beside the weights).
+* :func:`model_fingerprint`: the sha256 of those files' contents. A large model's files are read once
+  per version of each file: their digests are remembered by (path, size, mtime, inode) in a cache
+  directory, so a copy, a re-download or a ``touch`` costs one read of the weights (minutes) and keeps
+  every stored shard (hours of GPU), while new weights of the same shapes and size are new content.
+  Shard jobs started together wait on a lock while the first one reads.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import xxhash
+
+from eagledata.io import atomic_write_json, sha256_file
+
+#: Files of a weights directory that cannot change its hidden states: sampling defaults and the
+#: tokenizer (which decides token ids, and so the token shards, extraction's input, already).
+NOT_MODEL_FILES = frozenset({
+    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "added_tokens.json", "chat_template.json", "vocab.json", "preprocessor_config.json",
+})
+
+#: Up to this many bytes of model files in all, every fingerprint reads them (no cache).
+FULL_HASH_LIMIT = 256 << 20
+
+_CHUNK = 16 << 20
+
+
+def model_files(weights: str | Path) -> list[Path]:
+    """The files of a weights directory that make the model, sorted: ``config.json``, the weights
+    (``*.safetensors``, ``*.bin``) and every other ``*.json`` (an index, a quantization config) but
+    :data:`NOT_MODEL_FILES`."""
+    root = Path(weights)
+    return sorted(p for p in root.glob("*") if p.suffix in (".safetensors", ".bin", ".json")
+                  and p.name not in NOT_MODEL_FILES and p.is_file()) if root.is_dir() else []
+
+
+def cache_dir() -> Path:
+    """Where large files' digests are remembered: ``$EAGLEDATA_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/eagledata`` (``~/.cache/eagledata``)."""
+    if os.environ.get("EAGLEDATA_CACHE_DIR"):
+        return Path(os.environ["EAGLEDATA_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "eagledata"
+
+
+def model_fingerprint(weights: str | Path, full_hash_limit: int = FULL_HASH_LIMIT, cache: Path | None = None) -> str:
+    """Identity of a weights directory: sha256 over ``config.json`` and, name by name, the content
+    digests of the other :func:`model_files` (sha256 up to ``full_hash_limit`` bytes in all, else
+    xxh3-128 remembered in ``cache``, :func:`cache_dir` by default)."""
+    root = Path(weights)
+    h = hashlib.sha256()
+    cfg = root / "config.json"
+    h.update(cfg.read_bytes() if cfg.exists() else str(root).encode())
+    files = [p for p in model_files(root) if p.name != "config.json"]
+    large = sum(p.stat().st_size for p in files) > full_hash_limit
+    digests = _remembered_digests(files, cache or cache_dir()) if large else [sha256_file(p) for p in files]
+    for p, digest in zip(files, digests):
+        h.update(p.name.encode() + b"\0" + digest.encode())
+    return h.hexdigest()
+
+
+def _remembered_digests(files: list[Path], cache: Path) -> list[str]:
+    """xxh3-128 of each file, read only when the cache has none for its (path, size, mtime, inode);
+    under an exclusive lock, so jobs started together read the weights once."""
+    cache.mkdir(parents=True, exist_ok=True)
+    book = cache / "weight-digests.json"
+    with open(cache / "weight-digests.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            known = json.loads(book.read_text(encoding="utf-8")) if book.exists() else {}
+        except ValueError:
+            known = {}  # a damaged cache: read the files again
+        out, changed = [], False
+        for p in files:
+            st = p.stat()
+            key, stamp = str(p.resolve()), [st.st_size, st.st_mtime_ns, st.st_ino]
+            entry = known.get(key)
+            if not (isinstance(entry, dict) and entry.get("stat") == stamp and isinstance(entry.get("xxh3"), str)):
+                entry = known[key] = {"stat": stamp, "xxh3": _xxh3_file(p)}
+                changed = True
+            out.append(entry["xxh3"])
+        if changed:
+            atomic_write_json(book, known)
+    return out
+
+
+def _xxh3_file(path: Path) -> str:
+    digest = xxhash.xxh3_128()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+__all__ = ["FULL_HASH_LIMIT", "NOT_MODEL_FILES", "cache_dir", "model_files", "model_fingerprint"]
