@@ -240,6 +240,11 @@ def test_a_module_counts_in_a_stamp_by_its_code_only(tmp_path):
                   BASE_MODULE.replace('y = "# not a comment"', 'y = 2'), BASE_MODULE.replace("import os", "import sys")):
         assert stamp(other) != first, other
     assert stamp("def broken(:\n") != stamp("def broken(:  \n")  # not Python: byte for byte
+    # lines end at line breaks only: a form feed (a page break PEP 8 allows) or a U+2028 in a string
+    # does not shift what is cut; CRLF line ends are line ends
+    for text in ('x = 1\n\x0c\n"""Doc."""\ny = 2  # c\n', 's = "\u2028\x0c"; t = 1  # c\ny = 2\n'):
+        assert stamp(text) != stamp(text.replace("y = 2", "y = 3")), text
+        assert stamp(text) == stamp(text.replace("# c", "# d")) == stamp(text.replace("\n", "\r\n")), text
 
 
 @pytest.mark.parametrize("script", ["tokens.py", "validate.py", "report.py", "export.py", "extract.py"])

@@ -176,8 +176,8 @@ def code_digest(path: str | Path) -> str:
     (an argparse description) is not told apart. A module that does not parse counts byte for byte."""
     data = Path(path).read_bytes()
     if Path(path).suffix == ".py":
-        try:
-            text = data.decode("utf-8")
+        try:  # lines end at line breaks only (str.splitlines would also cut at a form feed, as no parser does)
+            text = data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
             spans = sorted(_comment_spans(text) + _docstring_spans(text))
         except (SyntaxError, UnicodeDecodeError, tokenize.TokenError, ValueError):
             return hashlib.sha256(data).hexdigest()
@@ -187,14 +187,20 @@ def code_digest(path: str | Path) -> str:
                 kept.append(text[at:start])
                 at = end
         kept.append(text[at:])
-        lines = (line.rstrip() for line in "".join(kept).splitlines())
+        lines = (line.rstrip() for line in "".join(kept).split("\n"))
         data = "\n".join(line for line in lines if line).encode("utf-8")
     return hashlib.sha256(data).hexdigest()
 
 
+def _lines(text: str) -> list[str]:
+    """``text``'s lines, each with its ``\n``, as tokenize and ast number them."""
+    lines = text.split("\n")
+    return [line + "\n" for line in lines[:-1]] + [lines[-1]]
+
+
 def _line_starts(text: str) -> list[int]:
     starts, at = [0], 0
-    for line in text.splitlines(keepends=True):
+    for line in _lines(text):
         at += len(line)
         starts.append(at)
     return starts
@@ -210,7 +216,7 @@ def _comment_spans(text: str) -> list[tuple[int, int]]:
 def _docstring_spans(text: str) -> list[tuple[int, int]]:
     """Character offsets of the docstrings of ``text``'s module, classes and functions (the ast's
     columns count UTF-8 bytes: turned into characters line by line)."""
-    starts, lines = _line_starts(text), text.splitlines(keepends=True)
+    starts, lines = _line_starts(text), _lines(text)
 
     def offset(row: int, byte_col: int) -> int:
         return starts[row - 1] + len(lines[row - 1].encode("utf-8")[:byte_col].decode("utf-8"))
