@@ -245,6 +245,14 @@ def test_a_module_counts_in_a_stamp_by_its_code_only(tmp_path):
     for text in ('x = 1\n\x0c\n"""Doc."""\ny = 2  # c\n', 's = "\u2028\x0c"; t = 1  # c\ny = 2\n'):
         assert stamp(text) != stamp(text.replace("y = 2", "y = 3")), text
         assert stamp(text) == stamp(text.replace("# c", "# d")) == stamp(text.replace("\n", "\r\n")), text
+    # inside a string of several lines, trailing space and blank lines are the string's value
+    for a, b in (('S = """a  \nb"""\n', 'S = """a\nb"""\n'), ('S = """a\n\nb"""\n', 'S = """a\nb"""\n'),
+                 ('S = f"""a  \n{x}\nb"""\n', 'S = f"""a\n{x}\nb"""\n')):
+        assert stamp(a) != stamp(b), a
+    # a module in another declared encoding counts byte for byte (its text is not UTF-8's)
+    module.write_bytes("# -*- coding: latin-1 -*-\nx = '\u00e9'\n".encode("utf-8"))
+    latin = write_stamp([module], tmp_path / "stamp")
+    assert stamp("# -*- coding: utf-8 -*-\nx = '\u00e9'\n") != latin
 
 
 @pytest.mark.parametrize("script", ["tokens.py", "validate.py", "report.py", "export.py", "extract.py"])

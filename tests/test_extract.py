@@ -909,6 +909,9 @@ def test_per_shard_jobs_give_the_one_process_extraction_and_resume_on_code_ident
                          dst, shards[0]["sha256"]) is not None
     assert stored_record(ExtractionSettings(**{**code2.__dict__, "max_seq_len": 10 ** 6}).run(tokens_manifest, store),
                          dst, shards[0]["sha256"]) is None
+    from eagledata.extract.limits import limit_summary  # and the manifest says so
+
+    assert (limit_summary([], None, "skip")["on_long"], limit_summary([], 20, "skip")["on_long"]) == ("truncate", "skip")
     for other in ({"backend": "sglang"}, {"backend": "sglang", "backend_options": {"server_args": {"quantization": "fp8"}}}):
         run = ExtractionSettings(**{**code2.__dict__, **other}).run(tokens_manifest, store)
         assert stored_record(run, dst, shards[0]["sha256"]) is None, other
@@ -1004,5 +1007,14 @@ def test_a_large_models_files_count_by_content_read_once_per_version(tmp_path, m
     assert w.model_fingerprint(copy, full_hash_limit=1024, cache=cache) == first
     (model / "model.safetensors").write_bytes(b"b" * 4096)  # new weights, same size (a fine-tune)
     assert w.model_fingerprint(model, full_hash_limit=1024, cache=cache) != first
-    (cache / "weight-digests.json").write_text("{damaged")
-    assert w.model_fingerprint(copy, full_hash_limit=1024, cache=cache) == first
+    # new bytes under the old mtime (cp -p, rsync --inplace -t): the ctime tells them apart
+    st = (model / "model.safetensors").stat()
+    (model / "model.safetensors").write_bytes(b"a" * 4096)
+    os.utime(model / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert w.model_fingerprint(model, full_hash_limit=1024, cache=cache) == first
+    for damaged in ("{damaged", "[]"):
+        (cache / "weight-digests.json").write_text(damaged)
+        assert w.model_fingerprint(copy, full_hash_limit=1024, cache=cache) == first
+    # a cache that cannot be used (here a file where its directory should be): the files are read
+    (tmp_path / "not-a-dir").write_text("")
+    assert w.model_fingerprint(copy, full_hash_limit=1024, cache=tmp_path / "not-a-dir") == first

@@ -171,29 +171,52 @@ def package_dir_for(workflow_dir: str | Path) -> Path:
 
 def code_digest(path: str | Path) -> str:
     """The sha256 of a file; of a Python module, of its code only: its text without comments and
-    docstrings, each line without trailing space, blank lines left out (the same text under every
-    Python version: spans cut from the source, not a token or AST dump). Code that reads a docstring
-    (an argparse description) is not told apart. A module that does not parse counts byte for byte."""
+    docstrings, each line without trailing space, blank lines left out, but for the lines inside a
+    string of several lines, kept as they are (the same text under every Python version: spans cut
+    from the source, not a token or AST dump). Code that reads a docstring (an argparse description)
+    is not told apart. A module that does not parse, or declares another encoding than UTF-8, counts
+    byte for byte."""
     data = Path(path).read_bytes()
     if Path(path).suffix == ".py":
-        try:  # lines end at line breaks only (str.splitlines would also cut at a form feed, as no parser does)
-            text = data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
-            spans = sorted(_comment_spans(text) + _docstring_spans(text))
+        try:
+            digest = _code_text(data)
         except (SyntaxError, UnicodeDecodeError, tokenize.TokenError, ValueError):
-            return hashlib.sha256(data).hexdigest()
-        kept, at = [], 0
-        for start, end in spans:
-            if start >= at:
-                kept.append(text[at:start])
-                at = end
-        kept.append(text[at:])
-        lines = (line.rstrip() for line in "".join(kept).split("\n"))
-        data = "\n".join(line for line in lines if line).encode("utf-8")
+            digest = None
+        if digest is not None:
+            data = digest.encode("utf-8")
     return hashlib.sha256(data).hexdigest()
 
 
+def _code_text(data: bytes) -> str | None:
+    """:func:`code_digest`'s text of a module's bytes; None for one declaring another encoding."""
+    if tokenize.detect_encoding(io.BytesIO(data).readline)[0] != "utf-8":
+        return None
+    # lines end at line breaks only (str.splitlines would also cut at a form feed, as no parser does)
+    text = data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
+    starts = _line_starts(text)
+    tokens = list(tokenize.generate_tokens(io.StringIO(text).readline))
+    docstrings = _docstring_spans(text, starts)
+    doc_starts = {start for start, _ in docstrings}
+    spans = sorted(docstrings + [(starts[t.start[0] - 1] + t.start[1], starts[t.end[0] - 1] + t.end[1])
+                                 for t in tokens if t.type == tokenize.COMMENT])
+    inside: set[int] = set()  # rows whose line break lies inside a string (not a docstring)
+    for t in tokens:
+        if t.start[0] < t.end[0] and t.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT) \
+                and starts[t.start[0] - 1] + t.start[1] not in doc_starts:
+            inside.update(range(t.start[0], t.end[0]))
+    kept, at = [], 0
+    for start, end in spans:  # cut, keeping the line breaks (rows stay numbered)
+        if start >= at:
+            kept += [text[at:start], "\n" * text.count("\n", start, end)]
+            at = end
+    kept.append(text[at:])
+    lines = "".join(kept).split("\n")
+    out = [line if row in inside else line.rstrip() for row, line in enumerate(lines, 1)]
+    return "\n".join(line for row, line in enumerate(out, 1) if line or row in inside)
+
+
 def _lines(text: str) -> list[str]:
-    """``text``'s lines, each with its ``\n``, as tokenize and ast number them."""
+    """``text``'s lines, each with its ``\\n``, as tokenize and ast number them."""
     lines = text.split("\n")
     return [line + "\n" for line in lines[:-1]] + [lines[-1]]
 
@@ -206,17 +229,10 @@ def _line_starts(text: str) -> list[int]:
     return starts
 
 
-def _comment_spans(text: str) -> list[tuple[int, int]]:
-    """Character offsets of ``text``'s comments (tokenize's columns count characters)."""
-    starts = _line_starts(text)
-    return [(starts[t.start[0] - 1] + t.start[1], starts[t.end[0] - 1] + t.end[1])
-            for t in tokenize.generate_tokens(io.StringIO(text).readline) if t.type == tokenize.COMMENT]
-
-
-def _docstring_spans(text: str) -> list[tuple[int, int]]:
+def _docstring_spans(text: str, starts: list[int]) -> list[tuple[int, int]]:
     """Character offsets of the docstrings of ``text``'s module, classes and functions (the ast's
     columns count UTF-8 bytes: turned into characters line by line)."""
-    starts, lines = _line_starts(text), _lines(text)
+    lines = _lines(text)
 
     def offset(row: int, byte_col: int) -> int:
         return starts[row - 1] + len(lines[row - 1].encode("utf-8")[:byte_col].decode("utf-8"))

@@ -73,7 +73,10 @@ def over_trainer_max(lengths: list[int]) -> dict[str, int]:
 
 
 def limit_summary(shards: list[dict[str, Any]], max_seq_len: int | None, on_long: str) -> dict[str, Any]:
-    """The manifest's ``length_limit`` block: the setting and the counts summed over ``shards``."""
+    """The manifest's ``length_limit`` block: the setting (``on_long`` as the shards' resume key reads
+    it: without a limit it decides nothing) and the counts summed over ``shards``."""
+    if max_seq_len is None:
+        on_long = "truncate"
     flagged = [f for s in shards for f in (s.get("length_limit") or {}).get("flagged", [])]
     over = {name: sum((s.get("length_limit") or {}).get("over_trainer_max", {}).get(name, 0) for s in shards)
             for name in TRAINER_MAX_LEN}

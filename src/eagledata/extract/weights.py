@@ -4,8 +4,8 @@
 * :func:`model_files`: ``config.json``, the weights and every other ``*.json`` but
   :data:`NOT_MODEL_FILES` (the tokenizer's files and sampling defaults, often kept beside the weights).
 * :func:`model_fingerprint`: the sha256 of those files' contents. A large model's files are read once
-  per version of each file: their digests are remembered by (path, size, mtime, inode) in a cache
-  directory, so a copy, a re-download or a ``touch`` costs one read of the weights (minutes) and keeps
+  per version of each file: their digests are remembered by (path, device, inode, size, mtime, ctime)
+  in a cache directory, so a copy, a re-download or a ``touch`` costs one read of the weights (minutes) and keeps
   every stored shard (hours of GPU), while new weights of the same shapes and size are new content.
   Shard jobs started together wait on a lock while the first one reads.
 """
@@ -55,7 +55,7 @@ def cache_dir() -> Path:
 def model_fingerprint(weights: str | Path, full_hash_limit: int = FULL_HASH_LIMIT, cache: Path | None = None) -> str:
     """Identity of a weights directory: sha256 over ``config.json`` and, name by name, the content
     digests of the other :func:`model_files` (sha256 up to ``full_hash_limit`` bytes in all, else
-    xxh3-128 remembered in ``cache``, :func:`cache_dir` by default)."""
+    xxh3-128 remembered in ``cache``, :func:`cache_dir` by default: :func:`_remembered_digests`)."""
     root = Path(weights)
     h = hashlib.sha256()
     cfg = root / "config.json"
@@ -69,27 +69,38 @@ def model_fingerprint(weights: str | Path, full_hash_limit: int = FULL_HASH_LIMI
 
 
 def _remembered_digests(files: list[Path], cache: Path) -> list[str]:
-    """xxh3-128 of each file, read only when the cache has none for its (path, size, mtime, inode);
-    under an exclusive lock, so jobs started together read the weights once."""
-    cache.mkdir(parents=True, exist_ok=True)
-    book = cache / "weight-digests.json"
-    with open(cache / "weight-digests.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            known = json.loads(book.read_text(encoding="utf-8")) if book.exists() else {}
-        except ValueError:
-            known = {}  # a damaged cache: read the files again
-        out, changed = [], False
-        for p in files:
-            st = p.stat()
-            key, stamp = str(p.resolve()), [st.st_size, st.st_mtime_ns, st.st_ino]
-            entry = known.get(key)
-            if not (isinstance(entry, dict) and entry.get("stat") == stamp and isinstance(entry.get("xxh3"), str)):
-                entry = known[key] = {"stat": stamp, "xxh3": _xxh3_file(p)}
-                changed = True
-            out.append(entry["xxh3"])
-        if changed:
-            atomic_write_json(book, known)
+    """xxh3-128 of each file, read only when the cache has none for its version (path, device,
+    inode, size, mtime and ctime: no tool sets a ctime back, so new bytes under a restored mtime are
+    read again); under an exclusive lock, so jobs started together read the weights once. A cache that
+    cannot be used (another user's, a read-only home, a file system without locks) is left out: the
+    files are read. Entries of files that no longer exist are dropped when the cache is written."""
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        with open(cache / "weight-digests.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return _digests_with_book(files, cache / "weight-digests.json")
+    except OSError:
+        return [_xxh3_file(p) for p in files]
+
+
+def _digests_with_book(files: list[Path], book: Path) -> list[str]:
+    try:
+        known = json.loads(book.read_text(encoding="utf-8")) if book.exists() else {}
+    except ValueError:
+        known = {}
+    if not isinstance(known, dict):
+        known = {}  # a damaged cache: read the files again
+    out, changed = [], False
+    for p in files:
+        st = p.stat()
+        key, version = str(p.resolve()), [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+        entry = known.get(key)
+        if not (isinstance(entry, dict) and entry.get("stat") == version and isinstance(entry.get("xxh3"), str)):
+            entry = known[key] = {"stat": version, "xxh3": _xxh3_file(p)}
+            changed = True
+        out.append(entry["xxh3"])
+    if changed:
+        atomic_write_json(book, {k: v for k, v in known.items() if os.path.exists(k)})
     return out
 
 
