@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -188,6 +190,7 @@ def test_plan_and_budget_commands(tmp_path, k25, capsys, monkeypatch):
     with SimulatorServer(tok, k25[1], seed=2) as sim:
         cfg = make_config(tmp_path, prompts, tok.source, api_base=sim.base_url, max_tokens=100)
         cfg["budget_usd"] = 2.0
+        cfg["results_dir"] = str(tmp_path / "results")
         cfg_path = tmp_path / "c.yaml"
         generate_cmd(cfg, tmp_path, name="c")  # writes c.yaml
         assert cli_main(["plan", "--config", str(cfg_path), "--json"]) == 0
@@ -208,6 +211,18 @@ def test_plan_and_budget_commands(tmp_path, k25, capsys, monkeypatch):
         p = json.loads(capsys.readouterr().out)
         assert (p["datasets"][0]["cached"], p["datasets"][0]["to_request"]) == (6, 0)
         assert p["spent_usd"] == pytest.approx(sim.billed_usd)
+        # the dry run cannot list shard jobs before the token plan (a checkpoint) is current: said
+        token_plan = Path(p["datasets"][0]["token_plan"])
+        assert p["datasets"][0]["shard_jobs_known"] is False
+        token_plan.parent.mkdir(parents=True)
+        (token_plan.parent.parent / "responses.jsonl").write_text("")
+        token_plan.write_text("{}")
+        assert cli_main(["plan", "--config", str(cfg_path)]) == 0
+        assert "lists none of its token_shard" not in capsys.readouterr().out
+        os.utime(token_plan, ns=(1, 1))  # older than the responses
+        assert cli_main(["plan", "--config", str(cfg_path)]) == 0
+        assert f"d: `snakemake -n` lists none of its token_shard and extract_shard jobs until its token plan is " \
+               f"rewritten (a checkpoint): `snakemake {token_plan}`" in capsys.readouterr().out
         assert cli_main(["budget", "--config", str(cfg_path), "--json"]) == 0
         b = json.loads(capsys.readouterr().out)
         assert [(r["dataset"], r["provider"], r["attempts"]) for r in b["rows"]] == [("d", "Simulator", 6)]

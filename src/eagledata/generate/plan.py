@@ -23,6 +23,10 @@ and its worst case adds :data:`HISTORY_TOKENS_PER_TURN` per earlier turn: ``max_
 longest reply the model may give) plus that many template tokens. The worst case assumes every
 conversation runs to its last turn (none ends early at a tool mismatch).
 
+A dataset whose token plan (the ``token_plan`` checkpoint) is not current (requests to send, or a
+``plan.json`` older than its responses or missing) gets a note: ``snakemake -n`` cannot list its
+token_shard and extract_shard jobs until the plan is rewritten (:func:`shard_jobs_known`).
+
 It also runs the cheap part of the generate job's preflight (:func:`eagledata.generate.tokenizers.tokenizer_problem`:
 the tokenizer directory is found and holds tokenizer files) and exits 1, naming the path, where it
 fails; a config error (unknown key, bad dataset name) stops it with the message, exit 2.
@@ -219,6 +223,8 @@ def plan(config: Mapping[str, Any], datasets: list[str] | None = None) -> dict[s
     names = datasets or list(config["datasets"])
     rows = [plan_dataset(config, n) for n in names]
     for row in rows:
+        row["token_plan"] = str(Path(config.get("results_dir", "results")) / row["dataset"] / "tokens.work" / "plan.json")
+        row["shard_jobs_known"] = shard_jobs_known(row["token_plan"], row.get("to_request") or 0)
         model_name = config["datasets"][row["dataset"]]["model"]
         model = config["models"][model_name]
         built = workflow_built(model["tokenizer"], config) and not Path(model["tokenizer"]).exists()
@@ -238,6 +244,17 @@ def plan(config: Mapping[str, Any], datasets: list[str] | None = None) -> dict[s
             "remaining_usd": None if budget is None else budget - spent - held,
             "cost_low": sum(r["cost_low"] for r in rows), "cost_worst": worst, "billed_cost_worst": billed_worst,
             "ledger": str(path)}
+
+
+def shard_jobs_known(token_plan: str | Path, to_request: int) -> bool:
+    """Whether ``snakemake -n`` can list a dataset's per-shard jobs: its token plan (a checkpoint, whose
+    shards Snakemake learns only when it has run) is current: nothing to request, and ``plan.json``
+    exists and is newer than the responses beside its work directory."""
+    plan_file = Path(token_plan)
+    try:
+        return not to_request and plan_file.stat().st_mtime_ns >= (plan_file.parent.parent / "responses.jsonl").stat().st_mtime_ns
+    except OSError:
+        return False
 
 
 def format_plan(p: Mapping[str, Any]) -> str:
@@ -268,6 +285,11 @@ def format_plan(p: Mapping[str, Any]) -> str:
                          f"{r['turns']['conversations']} conversation(s); worst case: {r['turns']['worst_case']}")
         if r.get("duplicates"):
             lines.append(f"note: {r['dataset']}: {r['duplicates']} duplicate prompt(s) left out (dedup)")
+    for r in p["datasets"]:
+        if r.get("shard_jobs_known") is False:
+            first = "its requests are answered and " if r.get("to_request") else ""
+            lines.append(f"note: {r['dataset']}: `snakemake -n` lists none of its token_shard and extract_shard jobs until "
+                         f"{first}its token plan is rewritten (a checkpoint): `snakemake {r['token_plan']}`, then `snakemake -n`")
     for r in p["datasets"]:
         if r.get("preflight"):
             lines.append(f"error: {r['dataset']}: {r['preflight']} (generation would stop before its first request)")
