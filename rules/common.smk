@@ -5,6 +5,7 @@ from pathlib import Path
 
 from eagledata.codeinputs import package_dir_for, stage_code
 from eagledata.config import dataset_settings, validate_config
+from eagledata.extract.limits import length_limit
 from eagledata.extract.weights import model_files
 from eagledata.generate.prompts import canonical
 from eagledata.generate.requests import TOKENIZER_IDENTITY

@@ -14,12 +14,10 @@ if "final_norm" in config["extraction"]:
     )
 
 
-# each dataset's extraction.max_seq_len / on_long: a rule param, so a change reruns its extraction
-# (on_long decides nothing without a max_seq_len: one value then, as in the shards' resume key)
+# each dataset's extraction.max_seq_len / on_long, as they decide anything (eagledata.extract.limits): a rule
+# param, so a change reruns its extraction
 LENGTH_LIMITS = {
-    name: {"max_seq_len": (d.get("extraction") or {}).get("max_seq_len"),
-           "on_long": (d.get("extraction") or {}).get("on_long", "truncate")
-           if (d.get("extraction") or {}).get("max_seq_len") is not None else "truncate"}
+    name: length_limit((d.get("extraction") or {}).get("max_seq_len"), (d.get("extraction") or {}).get("on_long", "truncate"))
     for name, d in config["datasets"].items()
 }
 

@@ -193,9 +193,10 @@ def _code_text(data: bytes) -> str | None:
         return None
     # lines end at line breaks only (str.splitlines would also cut at a form feed, as no parser does)
     text = data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
-    starts = _line_starts(text)
+    lines = _lines(text)
+    starts = _line_starts(lines)
     tokens = list(tokenize.generate_tokens(io.StringIO(text).readline))
-    docstrings = _docstring_spans(text, starts)
+    docstrings = _docstring_spans(text, lines, starts)
     doc_starts = {start for start, _ in docstrings}
     spans = sorted(docstrings + [(starts[t.start[0] - 1] + t.start[1], starts[t.end[0] - 1] + t.end[1])
                                  for t in tokens if t.type == tokenize.COMMENT])
@@ -221,18 +222,18 @@ def _lines(text: str) -> list[str]:
     return [line + "\n" for line in lines[:-1]] + [lines[-1]]
 
 
-def _line_starts(text: str) -> list[int]:
+def _line_starts(lines: list[str]) -> list[int]:
     starts, at = [0], 0
-    for line in _lines(text):
+    for line in lines:
         at += len(line)
         starts.append(at)
     return starts
 
 
-def _docstring_spans(text: str, starts: list[int]) -> list[tuple[int, int]]:
-    """Character offsets of the docstrings of ``text``'s module, classes and functions (the ast's
-    columns count UTF-8 bytes: turned into characters line by line)."""
-    lines = _lines(text)
+def _docstring_spans(text: str, lines: list[str], starts: list[int]) -> list[tuple[int, int]]:
+    """Character offsets of the docstrings of ``text`` (its ``lines``, starting at ``starts``): its
+    module's, classes' and functions' (the ast's columns count UTF-8 bytes: turned into characters
+    line by line)."""
 
     def offset(row: int, byte_col: int) -> int:
         return starts[row - 1] + len(lines[row - 1].encode("utf-8")[:byte_col].decode("utf-8"))

@@ -78,6 +78,7 @@ from eagledata.extract.limits import (
     TRAINER_MAX_LEN,
     apply_length_limit,
     check_limit,
+    length_limit,
     limit_summary,
     over_trainer_max,
 )
@@ -131,11 +132,9 @@ def plan_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
 
 
 def limit_key(max_seq_len: int | None, on_long: str) -> str:
-    """The ``length_limit`` metadata value of a shard (a resume key: a changed limit re-extracts).
-    Without a limit, what to do with a longer sample decides nothing: one key whatever ``on_long``."""
-    if max_seq_len is None:
-        on_long = "truncate"
-    return json.dumps({"max_seq_len": max_seq_len, "on_long": on_long}, sort_keys=True)
+    """The ``length_limit`` metadata value of a shard (a resume key: a changed limit re-extracts), of
+    the limit as it decides anything (:func:`~eagledata.extract.limits.length_limit`)."""
+    return json.dumps(length_limit(max_seq_len, on_long), sort_keys=True)
 
 
 def shard_metadata(shard: TokenShard, src: Path, backend: ExtractionBackend, *, dtype: str,

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from eagledata.extract.base import ExtractionError
 from eagledata.extract.storage import TokenShard
 
@@ -28,6 +26,13 @@ ON_LONG = ("truncate", "skip")
 #: loader cuts samples there) and vLLM speculators ``scripts/train.py --total-seq-len`` (8192; its
 #: ``ArrowDataset`` ``max_len``), as read in their code (vllm-project/speculators 02a40fe).
 TRAINER_MAX_LEN = {"specforge": 2048, "speculators": 8192}
+
+
+def length_limit(max_seq_len: int | None, on_long: str) -> dict[str, Any]:
+    """A dataset's length limit as it decides anything (the shards' resume key, the manifest, the
+    extraction rules' param): without a ``max_seq_len``, ``on_long`` decides nothing and reads as the
+    default. Light to import (numpy is imported inside functions): the Snakefile calls it."""
+    return {"max_seq_len": max_seq_len, "on_long": on_long if max_seq_len is not None else "truncate"}
 
 
 def check_limit(max_seq_len: int | None, on_long: str) -> None:
@@ -40,6 +45,8 @@ def check_limit(max_seq_len: int | None, on_long: str) -> None:
 
 def apply_length_limit(shard: TokenShard, max_seq_len: int | None, on_long: str) -> tuple[TokenShard, list[dict[str, Any]]]:
     """``shard`` with the limit applied (samples cut or left out, order kept) and the flag records."""
+    import numpy as np
+
     check_limit(max_seq_len, on_long)
     if max_seq_len is None:
         return shard, []
@@ -73,14 +80,12 @@ def over_trainer_max(lengths: list[int]) -> dict[str, int]:
 
 
 def limit_summary(shards: list[dict[str, Any]], max_seq_len: int | None, on_long: str) -> dict[str, Any]:
-    """The manifest's ``length_limit`` block: the setting (``on_long`` as the shards' resume key reads
-    it: without a limit it decides nothing) and the counts summed over ``shards``."""
-    if max_seq_len is None:
-        on_long = "truncate"
+    """The manifest's ``length_limit`` block: the setting (:func:`length_limit`) and the counts summed
+    over ``shards``."""
     flagged = [f for s in shards for f in (s.get("length_limit") or {}).get("flagged", [])]
     over = {name: sum((s.get("length_limit") or {}).get("over_trainer_max", {}).get(name, 0) for s in shards)
             for name in TRAINER_MAX_LEN}
-    return {"max_seq_len": max_seq_len, "on_long": on_long,
+    return {**length_limit(max_seq_len, on_long),
             "truncated": sum(1 for f in flagged if f["action"] == "truncated"),
             "skipped": sum(1 for f in flagged if f["action"] == "skipped"),
             "trainer_max_len": dict(TRAINER_MAX_LEN), "over_trainer_max": over}

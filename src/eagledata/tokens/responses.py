@@ -219,19 +219,18 @@ def _sse_payloads(lines: list[str]) -> list[str]:
     event: list[str] = []
     for line in lines:
         if not line:
-            if len(event) > 1:
-                payloads += _event_payloads(event)
-            elif event:
-                payloads.append(event[0])
+            payloads += _event_payloads(event)
             event = []
             continue
         data = _data_payload(line)
         if data:
             event.append(data)
-    return payloads + (_event_payloads(event) if len(event) > 1 else event)
+    return payloads + _event_payloads(event)
 
 
 def _event_payloads(event: list[str]) -> list[str]:
+    if len(event) < 2:
+        return event
     joined = "\n".join(event)
     try:
         loads_json(joined)
