@@ -43,7 +43,6 @@ envvars:
 
 
 include: "rules/common.smk"
-include: "rules/stamps.smk"
 include: "rules/demo.smk"
 include: "rules/generate.smk"
 include: "rules/tokens.smk"

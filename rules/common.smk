@@ -3,7 +3,7 @@ import hashlib
 import re
 from pathlib import Path
 
-from eagledata.codeinputs import package_dir_for, stage_code
+from eagledata.codeinputs import package_dir_for, stage_code, write_stamp
 from eagledata.config import dataset_settings, validate_config
 from eagledata.extract.limits import length_limit
 from eagledata.extract.weights import model_files
@@ -28,13 +28,17 @@ TOKENIZER_FILES = ("tiktoken.model", "pattern.txt", "tokenizer.json", "tokenizer
 TOKENIZER_CODE = "tokenization_*.py"
 # Code inputs: every project module a rule's script imports (transitively, eagledata.codeinputs),
 # plus data files it reads. Editing any of them reruns that rule and what follows; generation
-# declares none, so no code change ever re-sends a paid request. A rule declares one stamp per script
-# (rules/stamps.smk hashes the files into it), not the files: thousands of per-shard jobs with
-# some 25 inputs each made the dry run slow.
+# declares none, so no code change ever re-sends a paid request. A rule declares one stamp per script,
+# not the files: thousands of per-shard jobs with some 25 inputs each made the dry run slow. The stamps
+# are written here, while the workflow is parsed, and only when their content changed (write_stamp):
+# a stamp is a source file whose checksum Snakemake compares, so an edit that changes no stamp (a
+# comment, a docstring, the version) reruns nothing. Jobs run elsewhere (--executor slurm) parse the
+# workflow again: only the main process writes.
 WORKFLOW_DIR = Path(workflow.main_snakefile).resolve().parent
 PACKAGE_DIR = package_dir_for(WORKFLOW_DIR)
 STAMPS = f"{RESULTS}/_code"
 CODE_STAMPS = {}  # stamp name -> the files it hashes
+_DIGESTS = ".snakemake/eagledata/digests.json"  # code digests by content (eagledata.codeinputs.code_digest)
 
 
 def code_files(script, *data, shell=False):
@@ -50,12 +54,17 @@ def code_files(script, *data, shell=False):
 
 
 def code_of(script, *data, shell=False):
-    """The code input of the rules that run ``script``: the stamp of :func:`code_files` (one file)."""
+    """The code input of the rules that run ``script``: the stamp of :func:`code_files` (one file,
+    written now)."""
     name = Path(script).stem
     if data:
         name = f"{name}+{hashlib.sha256(chr(0).join(data).encode('utf-8')).hexdigest()[:8]}"
-    CODE_STAMPS[name] = code_files(script, *data, shell=shell)
-    return [f"{STAMPS}/scripts/{name}.sha256"]
+    stamp = f"{STAMPS}/scripts/{name}.sha256"
+    if name not in CODE_STAMPS:
+        CODE_STAMPS[name] = code_files(script, *data, shell=shell)
+        if workflow.is_main_process:
+            write_stamp(CODE_STAMPS[name], stamp, cache_file=_DIGESTS)
+    return [stamp]
 
 
 def regex_of(names):
@@ -77,7 +86,7 @@ def tokenizer_files(model_name):
     model = config["models"][model_name]
     tok = model["tokenizer"]
     files = [model["chat_template"]] if model.get("chat_template") else []
-    if tok.startswith(f"{RESULTS}/_assets/"):
+    if _built(tok):
         return [tok] + files
     path = Path(tok)
     if path.is_dir():
@@ -86,31 +95,47 @@ def tokenizer_files(model_name):
     return files
 
 
+def _built(path):
+    """Whether a job of this workflow makes ``path`` (the demo's assets)."""
+    return path.startswith(f"{RESULTS}/_assets/")
+
+
 def tokenizer_input(wildcards):
     """The tokenizer's files (:func:`tokenizer_files`) of the dataset's model."""
     return tokenizer_files(config["datasets"][wildcards.dataset]["model"])
 
 
-def tokenizer_settings(wildcards):
+def tokenizer_settings(dataset):
     """What of the config decides a dataset's token ids besides its tokenizer's files: the model's
     tokenizer (a hub id has no files) and its pinned revision, how it is loaded, its chat template and
-    its family, with the config's definition of that family. A stage stamp's params and written into
-    it, so a change reruns the per-shard jobs that declare the stamp."""
-    model = config["models"][config["datasets"][wildcards.dataset]["model"]]
+    its family, with the config's definition of that family. A line of the dataset's stage stamp, so a
+    change reruns the per-shard jobs that declare the stamp."""
+    model = config["models"][config["datasets"][dataset]["model"]]
     keys = (*TOKENIZER_IDENTITY, "chat_template", "family")
     return canonical({**{k: model.get(k) for k in keys},
                       "family_definition": (config.get("families") or {}).get(model["family"])})
 
 
-STAGE_STAMPS = {}  # stage stamp name -> the code stamps it covers
-
-
 def stage_stamp(name, *scripts):
-    """One stamp per dataset of the code of ``scripts``, the dataset model's tokenizer files and its
-    tokenizer settings (rules/stamps.smk), for the per-shard jobs: a plain pattern (no input
-    function), one input. Those jobs run ``scripts`` as shell commands, so the scripts are stamped too."""
-    STAGE_STAMPS[name] = [code_of(s, shell=True)[0] for s in scripts]
-    return f"{STAMPS}/datasets/{{dataset}}/{name}.sha256"
+    """One stamp per dataset (written now) of the code stamps of ``scripts``, the dataset model's
+    tokenizer files and its tokenizer settings, for the per-shard jobs: a plain pattern (no input
+    function), one input. Those jobs run ``scripts`` as shell commands, so the scripts are stamped too.
+    A tokenizer a job builds is named, not hashed (its files may not exist yet): the jobs declare it
+    (:func:`built_tokenizer`)."""
+    code = [code_of(s, shell=True)[0] for s in scripts]
+    pattern = f"{STAMPS}/datasets/{{dataset}}/{name}.sha256"
+    if workflow.is_main_process:
+        for dataset in DATASETS:
+            files = tokenizer_files(config["datasets"][dataset]["model"])
+            write_stamp(code + [f for f in files if not _built(f)], pattern.format(dataset=dataset),
+                        settings=tokenizer_settings(dataset), built=[f for f in files if _built(f)],
+                        cache_file=_DIGESTS)
+    return pattern
+
+
+def built_tokenizer(wildcards):
+    """The dataset's tokenizer where a job builds it (the demo's), else nothing."""
+    return [f for f in tokenizer_input(wildcards) if _built(f)]
 
 
 def weights_input(wildcards):
@@ -150,8 +175,7 @@ def all_targets():
 
 _clashes = set(DATASETS) & {"all", "generate", "import_responses", "tokens", "validate", "extract",
                              "token_plan", "token_shard",
-                             "demo_tokenizer", "demo_model", "report", "report_dataset", "export",
-                             "code_stamp", "stage_stamp"}
+                             "demo_tokenizer", "demo_model", "report", "report_dataset", "export"}
 if _clashes:
     raise ValueError(f"config: dataset name(s) {sorted(_clashes)} clash with rule names; rename them")
 

@@ -1,7 +1,8 @@
 # Reports a person reads (eagledata.report.build): one HTML per dataset (the worst samples decoded token by
 # token with the implicated tokens highlighted), one for the whole run, the run-wide validation.json
 # and routing advice. Self-contained HTML; all of it is embedded by `snakemake --report report.zip`.
-# Needs from rules/common.smk: RESULTS, DATASETS, tokenizer_input. Settings: config key `report`
+# Needs RESULTS, DATASETS, built_tokenizer (rules/common.smk) and TOKENS_STAMP (rules/tokens.smk: the
+# tokenizer by content). Settings: config key `report`
 # (eagledata.report.settings.REPORT_DEFAULTS).
 from eagledata.report.settings import report_settings
 
@@ -14,7 +15,8 @@ rule report_dataset:
     input:
         validation=f"{RESULTS}/{{dataset}}/validation.json",
         tokens=f"{RESULTS}/{{dataset}}/tokens",
-        tokenizer=tokenizer_input,
+        stamp=TOKENS_STAMP,
+        tokenizer=built_tokenizer,
         code=REPORT_CODE,
     output:
         html=report(f"{RESULTS}/{{dataset}}/report.html", category="Report", subcategory="Datasets", labels={"dataset": "{dataset}", "file": "report.html"}),

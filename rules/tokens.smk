@@ -5,8 +5,12 @@
 # shard and gathers them into tokens/ (manifest.json and hard links into tokens.store/). Slices, parts
 # and the store live under results/{dataset}/ outside any directory() output, so an unchanged shard
 # keeps its files (bytes and mtimes) and reruns nothing. Input functions (token_parts and friends) are
-# in rules/common.smk; token_shard declares one stamp (stage_stamp, rules/stamps.smk) for its code,
-# the tokenizer's files and its settings (which the job reads from it).
+# in rules/common.smk; token_shard declares one stamp (stage_stamp, written while the workflow is
+# parsed) for its code, the tokenizer's files and its settings (which the job reads from it).
+
+
+# The code of token_shard and the dataset model's tokenizer (files and settings): one stamp per dataset.
+TOKENS_STAMP = stage_stamp("tokens", "scripts/token_shard.py")
 
 
 checkpoint token_plan:
@@ -14,6 +18,10 @@ checkpoint token_plan:
     input:
         responses=f"{RESULTS}/{{dataset}}/responses.jsonl",
         code=code_of("scripts/token_plan.py"),
+        # not read: where a job builds the tokenizer (the demo's), so that a run that rebuilds it also
+        # checks this job's own inputs (Snakemake checks none of the jobs after one that must run, and
+        # reaches them from it, but not through generate's ancient() tokenizer of paid backends)
+        tokenizer=built_tokenizer,
     output:
         plan=f"{TOKENS_WORK}/plan.json",
     # a large responses file is read in several processes (eagledata.tokens.planscan)
@@ -36,7 +44,9 @@ rule token_shard:
     input:
         slice=f"{TOKENS_WORK}/slices/{{shard}}.tsv",
         # the code of this step and the tokenizer, one file per dataset (a plain pattern: the dry run's cost)
-        stamp=stage_stamp("tokens", "scripts/token_shard.py"),
+        stamp=TOKENS_STAMP,
+        # the demo's tokenizer, which a job builds (named in the stamp, not hashed); else nothing
+        tokenizer=built_tokenizer,
     output:
         part=f"{TOKENS_WORK}/parts/{{shard}}.parquet",
         summary=f"{TOKENS_WORK}/parts/{{shard}}.summary.json",
@@ -62,7 +72,9 @@ rule tokens:
     input:
         parts=token_parts,
         summaries=token_summaries,
-        tokenizer=tokenizer_input,
+        # the tokenizer by its files' content (a touched vocabulary reruns nothing) and settings
+        stamp=TOKENS_STAMP,
+        tokenizer=built_tokenizer,
         code=code_of("scripts/tokens.py"),
     output:
         directory(f"{RESULTS}/{{dataset}}/tokens"),

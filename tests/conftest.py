@@ -95,7 +95,7 @@ def demo_run(tmp_path_factory, pytestconfig):
     shared by the session's pytest-xdist workers (the first to need it runs it, under a lock; the others
     wait and reuse it). Read-only: a test that changes anything, or runs snakemake in it (even a dry run
     writes Snakemake's records), works on ``workflow_runs.copy_run(demo_run, ...)``, which keeps mtimes,
-    so the copy's finished jobs (and its demo tokenizer, model and code stamps) stay done."""
+    so the copy's finished jobs (and its demo tokenizer and model) stay done."""
     from workflow_runs import copy_repo, snakemake
 
     shared = _xdist_run_dir(pytestconfig) or tmp_path_factory.getbasetemp()

@@ -4,8 +4,11 @@ inputs."""
 from __future__ import annotations
 
 import ast
+import hashlib
 import inspect
 import json
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -210,6 +213,55 @@ def test_a_stamp_changes_with_content_only(tmp_path):
     assert f"{tmp_path / 'tok' / 'vocab.txt'}" in (tmp_path / "s" / "stamp").read_text()
     (tmp_path / "tok" / "vocab.txt").write_text("a 2\n")
     assert write_stamp(inputs, tmp_path / "s" / "stamp") != first
+
+
+def test_a_stamp_is_rewritten_only_when_its_content_changes(tmp_path):
+    """The workflow writes its stamps at every start: one whose content is unchanged keeps its file and
+    mtime (Snakemake judges a newer stamp by its checksum, but a job downstream of one that must run is
+    not judged at all); a named file (``built``) and the settings are part of the content."""
+    (tmp_path / "m.py").write_text("x = 1\n")
+    out = tmp_path / "s" / "stamp"
+    first = write_stamp([tmp_path / "m.py"], out, settings={"family": "k"}, built=["results/_assets/tok"])
+    os.utime(out, ns=(1, 1))
+    (tmp_path / "m.py").write_text("x = 1  # a comment\n")
+    assert write_stamp([tmp_path / "m.py"], out, settings={"family": "k"}, built=["results/_assets/tok"]) == first
+    assert out.stat().st_mtime_ns == 1
+    assert "built  results/_assets/tok\n" in out.read_text()
+    for change in ({"settings": {"family": "k2"}, "built": ["results/_assets/tok"]}, {"settings": {"family": "k"}},
+                   {"built": ["results/_assets/tok"]}):
+        assert write_stamp([tmp_path / "m.py"], out, **change) != first, change
+        assert out.stat().st_mtime_ns != 1
+        os.utime(out, ns=(1, 1))
+
+
+def test_a_code_digest_cache_gives_what_the_module_gives(tmp_path):
+    """Code digests kept by the sha256 of a module's bytes (the workflow cuts every module's text at
+    each start otherwise): a cached digest is the computed one, an edited module gets its own, and a
+    cache that cannot be read is ignored."""
+    from eagledata.codeinputs import code_digest
+
+    module, cache = tmp_path / "m.py", str(tmp_path / "cache" / "digests.json")
+    module.write_text("x = 1  # c\n")
+    first = code_digest(module, cache)
+    write_stamp([module], tmp_path / "stamp", cache_file=cache)  # saves the cache
+    assert json.loads(Path(cache).read_text()) == {hashlib.sha256(module.read_bytes()).hexdigest(): first}
+    assert first == code_digest(module) == code_digest(module, cache)
+    module.write_text("x = 2  # c\n")
+    assert code_digest(module, cache) == code_digest(module) != first
+    (tmp_path / "other.json").write_text("{not json")
+    assert code_digest(module, str(tmp_path / "other.json")) == code_digest(module)
+
+
+def test_no_module_holds_the_version():
+    """The version is the installed distribution's (pyproject.toml): a module that wrote it would be
+    code every stamp counts, and a release would rerun every stage and re-extract every hidden state."""
+    from importlib.metadata import version
+
+    import eagledata
+
+    assert eagledata.__version__ == version("eagledata")
+    holders = [str(p.relative_to(ROOT)) for p in PKG.rglob("*.py") if re.search(r"^__version__\s*=", p.read_text(), re.M)]
+    assert holders == []
 
 
 BASE_MODULE = '''"""Module doc."""

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -304,7 +306,8 @@ def test_one_new_response_rebuilds_only_its_shard(tmp_path):
     src = tmp_path / "responses.jsonl"
     _write(src, records)
     config = yaml.safe_load((work / "config/config.yaml").read_text())
-    config["models"] = {"k2": {"family": "kimi-k2", "tokenizer": str(K2)}}
+    tok_dir = shutil.copytree(K2, tmp_path / "k2-tokenizer")
+    config["models"] = {"k2": {"family": "kimi-k2", "tokenizer": str(tok_dir)}}
     config["datasets"] = {"rec": {"responses": str(src), "model": "k2", "validation": {"max_bad_fraction": 1.0}}}
     config["tokens"] = {**(config.get("tokens") or {}), "shard_size": 10}
     config["extraction"] = {**config["extraction"], "enabled": False}
@@ -341,14 +344,26 @@ def test_one_new_response_rebuilds_only_its_shard(tmp_path):
                "models": {"k2": {**config["models"]["k2"], "family": "k2-local"}}}
     (work / "config/config.yaml").write_text(yaml.safe_dump(changed))
     jobs = planned_jobs(work, "rec")
-    assert jobs.get("stage_stamp") == 1 and jobs.get("token_shard") == shards_now and jobs.get("tokens") == 1, jobs
+    assert jobs.get("token_shard") == shards_now and jobs.get("tokens") == 1, jobs
     (work / "config/config.yaml").write_text(yaml.safe_dump(config))
     assert planned_jobs(work, "rec") == {}
 
     # the per-shard job's own script (a shell command: Snakemake does not track it as a script:) is stamped
     script = work / "scripts/token_shard.py"
     original = script.read_text()
-    script.write_text(original + "\n# an edit\n")
+    script.write_text(original + "\nEDITED = 1\n")
     assert planned_jobs(work, "rec").get("token_shard") == shards_now
     script.write_text(original)
     assert planned_jobs(work, "rec") == {}
+
+    # the tokenizer counts by its files' content: touching the vocabulary (over the 1 MB up to which
+    # Snakemake compares checksums) reruns nothing; a changed chat template reruns every shard
+    vocab = tok_dir / "tiktoken.model"
+    assert vocab.stat().st_size > 1_000_000
+    later = time.time() + 5
+    os.utime(vocab, (later, later))
+    assert planned_jobs(work, "rec") == {}
+    with open(tok_dir / "chat_template.jinja", "a") as fh:
+        fh.write("{# edited #}")
+    jobs = planned_jobs(work, "rec")
+    assert jobs.get("token_shard") == shards_now and jobs.get("tokens") == 1, jobs

@@ -1,7 +1,6 @@
 """Real Snakemake runs of the workflow, in a copy of the repository under a temp dir."""
 from __future__ import annotations
 
-import base64
 import json
 import os
 import shutil
@@ -100,7 +99,7 @@ def test_rerun_rules_never_regenerate_paid_responses(paid_setup):
 
     # changed reconstruction code: tokens and downstream rerun, generation does not
     with open(work / "src/eagledata/tokens/reconstruct.py", "a") as fh:
-        fh.write("\n# changed\n")
+        fh.write("\nCHANGED = 1\n")
     jobs = planned_jobs(work, env=env)
     assert "generate" not in jobs and jobs["tokens"] == 2 and jobs["validate"] == 2
     snakemake(work, "all", env=env)
@@ -154,16 +153,14 @@ def _runtime_imports(work: Path, script: str) -> set[str]:
 
 
 def _readers(work: Path) -> dict[str, frozenset[str]]:
-    """Input file -> the output files of the jobs that read it, from Snakemake's own record of every job
-    of the finished run (.snakemake/metadata/: per output file, a JSON with its job's inputs)."""
+    """Module file -> the code stamps that count it (results/_code/scripts/: a ``digest  path`` line
+    per file), as the workflow wrote them while it was parsed."""
     readers: dict[str, set[str]] = defaultdict(set)
-    meta = work / ".snakemake" / "metadata"
-    for record in (p for p in meta.rglob("*") if p.is_file()):
-        output = base64.urlsafe_b64decode("".join(record.relative_to(meta).parts).replace("@", "")).decode()
-        for path in json.loads(record.read_text()).get("input") or []:
-            readers[path].add(output)
-    assert readers, f"no job records under {meta}"
-    return {path: frozenset(outputs) for path, outputs in readers.items()}
+    for stamp in (work / "results/_code/scripts").glob("*.sha256"):
+        for line in stamp.read_text().splitlines()[:-1]:
+            readers[line.split("  ", 1)[1]].add(stamp.name)
+    assert readers, f"no code stamps under {work}"
+    return {path: frozenset(stamps) for path, stamps in readers.items()}
 
 
 def _plan_after_edit(root: Path, rels: list[Path], env: dict) -> dict[str, int]:
@@ -171,7 +168,7 @@ def _plan_after_edit(root: Path, rels: list[Path], env: dict) -> dict[str, int]:
     touch is not a change); the edits are then undone, mtimes included."""
     saved = {rel: ((root / rel).read_bytes(), (root / rel).stat()) for rel in rels}
     for rel, (text, _) in saved.items():
-        (root / rel).write_bytes(text + b"\n# edited\n")
+        (root / rel).write_bytes(text + b"\nEDITED_FOR_TEST = 1\n")
     try:
         return planned_jobs(root, env=env)
     finally:
@@ -184,13 +181,13 @@ def test_editing_a_module_reruns_the_stages_that_import_it_and_never_generation(
     """Every project module in turn: a newer copy reruns each stage whose script imports it (measured
     by importing the script's imports) and what follows, and never the paid generate step.
 
-    One dry run per group of modules that the same jobs read (Snakemake's record of the finished run):
-    the jobs an edit makes out of date are those reading the edited file and what follows them, so
-    every module of a group plans exactly what editing the whole group plans, and a module missing
-    from a stage's code inputs is read by other jobs than its neighbours: a group of its own."""
+    One dry run per group of modules that the same code stamps count: the jobs an edit makes out of
+    date are those declaring a stamp of the edited file and what follows them, so every module of a
+    group plans exactly what editing the whole group plans, and a module missing from a stage's code
+    inputs is counted by other stamps than its neighbours: a group of its own."""
     from eagledata.standin.server import SimulatorServer
 
-    work = copy_run(demo_run, tmp_path / "w")  # the demo's tokenizer, model and code stamps are built
+    work = copy_run(demo_run, tmp_path / "w")  # the demo's tokenizer and model are built
     tok, fam = demo_tok
     env = {"OPENROUTER_API_KEY": KEY}
     with SimulatorServer(tok, fam, seed=5) as server:
@@ -233,10 +230,15 @@ def test_editing_a_module_reruns_the_stages_that_import_it_and_never_generation(
         jobs = _plan_after_edit(work, [Path("src/eagledata/data") / data], env)
         assert rules <= set(jobs) and "generate" not in jobs, (data, jobs)
     # A touch is not a change: every module newer than every stamp, same bytes, plans nothing (the
-    # stamp jobs compare the recorded checksums of their inputs).
+    # stamps are rewritten only when their content changes). Nor is a comment, a docstring or the
+    # package's version (read from the installed metadata: no module holds it).
     later = time.time() + 5
     for path in modules:
         os.utime(path, (later, later))
+    assert planned_jobs(work, env=env) == {}
+    for path in modules:
+        text = path.read_text()
+        path.write_text(text.replace('"""', '"""An edited docstring. ', 1) + "\n# an edited comment\n")
     assert planned_jobs(work, env=env) == {}
 
 
@@ -253,11 +255,14 @@ def test_a_hugging_face_tokenizers_files_and_code_are_inputs_its_weights_are_not
     (work / "responses.jsonl").write_text("")
     configure(work, models={"m": {"family": "kimi-k2", "tokenizer": str(tok), "api_model": "org/m"}},
               datasets={"d": {"model": "m", "responses": "responses.jsonl"}})
-    out = snakemake(work, "-n", "results/_code/datasets/d/tokens.sha256").stdout
-    job = out[out.index("rule stage_stamp:"):]
-    inputs = set(job[job.index("input:") + 6:job.index("\n", job.index("input:"))].replace(",", " ").split())
-    assert {str(tok / name) for name in read} <= inputs
-    assert not {str(tok / name) for name in ("model.safetensors", "README.md")} & inputs
+    snakemake(work, "-n")  # the workflow writes its stamps while it is parsed
+    stamp = (work / "results/_code/datasets/d/tokens.sha256").read_text()
+    hashed = {line.split("  ", 1)[1] for line in stamp.splitlines() if "  " in line}
+    assert {str(tok / name) for name in read} <= hashed
+    assert not {str(tok / name) for name in ("model.safetensors", "README.md")} & hashed
+    (tok / "merges.txt").write_text('{"edited": 1}')
+    snakemake(work, "-n")
+    assert (work / "results/_code/datasets/d/tokens.sha256").read_text() != stamp
 
 
 def test_a_weight_file_rewritten_in_place_reruns_extraction(demo_run, tmp_path):

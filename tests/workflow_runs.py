@@ -2,7 +2,7 @@
 `snakemake` as a subprocess, the jobs a dry run plans, and copies of a finished run.
 
 The session fixture ``demo_run`` (tests/conftest.py) runs the demo once; a test that needs a finished
-run, or only the demo's built assets (tokenizer, model, code stamps), starts from :func:`copy_run` of
+run, or only the demo's built assets (tokenizer, model), starts from :func:`copy_run` of
 it instead of running those jobs again."""
 from __future__ import annotations
 

@@ -10,14 +10,14 @@ Why our own code: Python's ``modulefinder`` executes no code either, but follows
 and standard-library import (slow for a dry run of many jobs) and does not resolve the project's
 package from a checkout other than the installed one.
 
-Stamps: a rule does not declare those files itself. :func:`write_stamp` (the workflow's ``code_stamp``
-and ``stage_stamp`` jobs) hashes them into one small file, and the rule declares that stamp, so a
-workflow of thousands of per-shard jobs builds one input per job instead of some 25 (the dry run's
-cost). The stamp job reruns only on a content change (Snakemake compares the recorded checksums of a
-newer input), and a rerun stamp is newer than every job that declares it, so those jobs rerun then.
-A module counts in a stamp by its code only (:func:`code_digest`: comments and docstrings left out),
-so a job that keys stored results on a stamp's content (extraction's resume key) keeps them when only
-those changed.
+Stamps: a rule does not declare those files itself. :func:`write_stamp` hashes them into one small
+file, and the rule declares that stamp, so a workflow of thousands of per-shard jobs builds one input
+per job instead of some 25 (the dry run's cost). The workflow writes its stamps while it is parsed
+(rules/common.smk), each only when its content changed: a stamp is a source file, not a job's output,
+so Snakemake compares its recorded checksum and reruns the jobs declaring it only when its content
+differs (a stamp job that ran would rerun all of them whatever it wrote). A module counts in a stamp
+by its code only (:func:`code_digest`: comments and docstrings left out), so such an edit reruns
+nothing, and a job that keys stored results on a stamp's content (extraction's resume key) keeps them.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def _imports_of(path: Path, current: str | None, cache_file: str | None) -> list
     data = path.read_bytes()
     digest = hashlib.sha256(data).hexdigest()
     key = str(path)
-    cache = _import_cache(cache_file)
+    cache = _file_cache(cache_file)
     hit = cache.get(key) if cache is not None else None
     if isinstance(hit, list) and len(hit) == 2 and hit[0] == digest and isinstance(hit[1], list):
         return hit[1]
@@ -108,21 +108,22 @@ def _direct(package_dir: Path, path: Path, mtime_ns: int, size: int, cache_file:
     return tuple(found)
 
 
-_IMPORT_CACHES: dict[str, dict[str, Any]] = {}
+_FILE_CACHES: dict[str, dict[str, Any]] = {}
 _CHANGED: set[str] = set()  # cache files this process added entries to since it last wrote them
 
 
-def _import_cache(cache_file: str | None) -> dict[str, Any] | None:
-    """The imports parsed by earlier processes (read once per process; an unreadable file is empty)."""
+def _file_cache(cache_file: str | None) -> dict[str, Any] | None:
+    """What earlier processes parsed into ``cache_file`` (imports, or code digests), read once per
+    process; an unreadable file is empty."""
     if cache_file is None:
         return None
-    if cache_file not in _IMPORT_CACHES:
+    if cache_file not in _FILE_CACHES:
         try:
             loaded = json.loads(Path(cache_file).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             loaded = {}
-        _IMPORT_CACHES[cache_file] = loaded if isinstance(loaded, dict) else {}
-    return _IMPORT_CACHES[cache_file]
+        _FILE_CACHES[cache_file] = loaded if isinstance(loaded, dict) else {}
+    return _FILE_CACHES[cache_file]
 
 
 def _closure(package_dir: Path, start: Path, cache_file: str | None = None) -> tuple[str, ...]:
@@ -135,14 +136,19 @@ def _closure(package_dir: Path, start: Path, cache_file: str | None = None) -> t
             if found not in seen:
                 seen.add(found)
                 todo.append(found)
+    _save_cache(cache_file)
+    return tuple(sorted(str(p) for p in seen))
+
+
+def _save_cache(cache_file: str | None) -> None:
+    """Write ``cache_file``'s entries when this process added some."""
     if cache_file in _CHANGED:
         _CHANGED.discard(cache_file)
         try:
             Path(cache_file).parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(cache_file, json.dumps(_IMPORT_CACHES[cache_file], sort_keys=True))
+            atomic_write_text(cache_file, json.dumps(_FILE_CACHES[cache_file], sort_keys=True))
         except OSError:
             pass  # a cache: the next process parses again
-    return tuple(sorted(str(p) for p in seen))
 
 
 def stage_code(script: str | Path, package_dir: str | Path, relative_to: str | Path | None = None,
@@ -169,22 +175,31 @@ def package_dir_for(workflow_dir: str | Path) -> Path:
     return Path(eagledata.__file__).resolve().parent
 
 
-def code_digest(path: str | Path) -> str:
+def code_digest(path: str | Path, cache_file: str | None = None) -> str:
     """The sha256 of a file; of a Python module, of its code only: its text without comments and
     docstrings, each line without trailing space, blank lines left out, but for the lines inside a
     string of several lines, kept as they are (the same text under every Python version: spans cut
     from the source, not a token or AST dump). Code that reads a docstring (an argparse description)
     is not told apart. A module that does not parse, or declares another encoding than UTF-8, counts
-    byte for byte."""
+    byte for byte. With ``cache_file``, a module's digest is kept there by the sha256 of its bytes
+    (cutting a module's text is about 4 ms, and a workflow stamps every module at each start)."""
     data = Path(path).read_bytes()
-    if Path(path).suffix == ".py":
-        try:
-            digest = _code_text(data)
-        except (SyntaxError, UnicodeDecodeError, tokenize.TokenError, ValueError):
-            digest = None
-        if digest is not None:
-            data = digest.encode("utf-8")
-    return hashlib.sha256(data).hexdigest()
+    if Path(path).suffix != ".py":
+        return hashlib.sha256(data).hexdigest()
+    cache = _file_cache(cache_file)
+    raw = hashlib.sha256(data).hexdigest()
+    hit = cache.get(raw) if cache is not None else None
+    if isinstance(hit, str):
+        return hit
+    try:
+        text = _code_text(data)
+    except (SyntaxError, UnicodeDecodeError, tokenize.TokenError, ValueError):
+        text = None
+    digest = raw if text is None else hashlib.sha256(text.encode("utf-8")).hexdigest()
+    if cache is not None:
+        cache[raw] = digest
+        _CHANGED.add(cache_file)
+    return digest
 
 
 def _code_text(data: bytes) -> str | None:
@@ -247,7 +262,7 @@ def _docstring_spans(text: str, lines: list[str], starts: list[int]) -> list[tup
     return spans
 
 
-def stamp_lines(paths: list[str | Path]) -> list[str]:
+def stamp_lines(paths: list[str | Path], cache_file: str | None = None) -> list[str]:
     """``digest  path`` of every file in ``paths`` (:func:`code_digest`), a directory standing for
     every file under it (walked in sorted order); the paths as given, so the stamp reads like the
     rule's inputs."""
@@ -256,7 +271,7 @@ def stamp_lines(paths: list[str | Path]) -> list[str]:
         path = Path(given)
         files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
         for f in files:
-            lines.append(f"{code_digest(f)}  {f if f == path else Path(given) / f.relative_to(path)}")
+            lines.append(f"{code_digest(f, cache_file)}  {f if f == path else Path(given) / f.relative_to(path)}")
     return lines
 
 
@@ -268,13 +283,24 @@ def stamp_settings(path: str | Path) -> Any:
     return None
 
 
-def write_stamp(paths: list[str | Path], out: str | Path, settings: Any = None) -> str:
-    """Write the stamp of ``paths`` (:func:`stamp_lines`, and ``settings`` as one line of sorted JSON
-    when given, then the sha256 of those lines) to ``out`` atomically; return that digest."""
-    lines = stamp_lines(paths)
+def write_stamp(paths: list[str | Path], out: str | Path, settings: Any = None, built: list[str] = (),
+                cache_file: str | None = None) -> str:
+    """Write the stamp of ``paths`` (:func:`stamp_lines`; then a ``built  path`` line for each of
+    ``built``, files a job makes, named only: the jobs that read them declare them; ``settings`` as one
+    line of sorted JSON when given; then the sha256 of those lines) to ``out`` atomically, unless
+    ``out`` holds exactly that already (it then keeps its mtime); return that digest. ``cache_file``:
+    :func:`code_digest`'s."""
+    lines = stamp_lines(paths, cache_file) + [f"built  {path}" for path in built]
+    _save_cache(cache_file)
     if settings is not None:
         lines.append(f"settings {json.dumps(settings, sort_keys=True, ensure_ascii=False)}")
     digest = sha256_text("\n".join(lines))
+    text = "".join(f"{line}\n" for line in lines) + f"{digest}  (all)\n"
+    try:
+        if Path(out).read_text(encoding="utf-8") == text:
+            return digest
+    except (OSError, UnicodeDecodeError):
+        pass
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out, "".join(f"{line}\n" for line in lines) + f"{digest}  (all)\n")
+    atomic_write_text(out, text)
     return digest
