@@ -15,7 +15,8 @@ if "final_norm" in config["extraction"]:
 
 
 # each dataset's extraction.max_seq_len / on_long, as they decide anything (eagledata.extract.limits): a rule
-# param, so a change reruns its extraction
+# param, so a change reruns its extraction jobs; each keeps its stored shard when no sample of it exceeds
+# either limit (the shard's resume key, eagledata.extract.core.limit_key)
 LENGTH_LIMITS = {
     name: length_limit((d.get("extraction") or {}).get("max_seq_len"), (d.get("extraction") or {}).get("on_long", "truncate"))
     for name, d in config["datasets"].items()

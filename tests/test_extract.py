@@ -907,8 +907,22 @@ def test_per_shard_jobs_give_the_one_process_extraction_and_resume_on_code_ident
     # without a max_seq_len, on_long decides nothing: the stored shard is reused; with one, it is not
     assert stored_record(ExtractionSettings(**{**code2.__dict__, "on_long": "skip"}).run(tokens_manifest, store),
                          dst, shards[0]["sha256"]) is not None
-    assert stored_record(ExtractionSettings(**{**code2.__dict__, "max_seq_len": 10 ** 6}).run(tokens_manifest, store),
-                         dst, shards[0]["sha256"]) is None
+    # a limit acts on a shard only when one of its samples exceeds it: one that none reaches keeps the
+    # stored shard (known from the source's lengths; without them the limit counts), one that some
+    # sample exceeds does not
+    src = tokens / shards[0]["file"]
+    from eagledata.extract.storage import read_token_shard
+
+    longest = max(read_token_shard(src).lengths)
+    for limit, kept in ((10 ** 6, True), (longest, True), (longest - 1, False)):
+        for on_long in ("truncate", "skip"):
+            run = ExtractionSettings(**{**code2.__dict__, "max_seq_len": limit, "on_long": on_long}).run(tokens_manifest, store)
+            assert (stored_record(run, dst, shards[0]["sha256"], src) is not None) == kept, (limit, on_long)
+            assert stored_record(run, dst, shards[0]["sha256"]) is None
+    # and the other way: shards extracted under a limit none of their samples reaches are kept without it
+    code3 = {**settings.__dict__, "code_fingerprint": "code-3"}
+    assert not any(r["resumed"] for r in run_all(ExtractionSettings(**{**code3, "max_seq_len": longest + 1000})))
+    assert all(r["resumed"] for r in run_all(ExtractionSettings(**code3)))
     from eagledata.extract.limits import limit_summary  # and the manifest says so
 
     assert (limit_summary([], None, "skip")["on_long"], limit_summary([], 20, "skip")["on_long"]) == ("truncate", "skip")

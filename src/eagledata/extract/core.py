@@ -98,6 +98,7 @@ from eagledata.extract.storage import (
     read_shard_metadata,
     read_token_shard,
     read_tokens_manifest,
+    train_lengths,
     shard_sha256,
     shard_specs,
     write_index,
@@ -131,9 +132,13 @@ def plan_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
 # --------------------------------------------------------------------------- one shard
 
 
-def limit_key(max_seq_len: int | None, on_long: str) -> str:
+def limit_key(max_seq_len: int | None, on_long: str, lengths: Sequence[int] | None = None) -> str:
     """The ``length_limit`` metadata value of a shard (a resume key: a changed limit re-extracts), of
-    the limit as it decides anything (:func:`~eagledata.extract.limits.length_limit`)."""
+    the limit as it decides anything (:func:`~eagledata.extract.limits.length_limit`) on a shard of
+    samples of ``lengths`` (its train rows, before the limit): one that no sample exceeds acts as no
+    limit, so adding, raising or removing such a limit keeps the shard."""
+    if max_seq_len is not None and lengths is not None and all(n <= max_seq_len for n in lengths):
+        max_seq_len = None
     return json.dumps(length_limit(max_seq_len, on_long), sort_keys=True)
 
 
@@ -271,12 +276,13 @@ def extract_shard(
     check_stored_dtype(dtype)
     source_sha256 = source_sha256 or sha256_file(src)
     t0 = time.perf_counter()
-    shard, flags = apply_length_limit(read_token_shard(src), max_seq_len, on_long)
+    source = read_token_shard(src)
+    shard, flags = apply_length_limit(source, max_seq_len, on_long)
     _check_vocab(shard, src, backend.vocab_size)
     n, s, h, nl = int(shard.offsets[-1]), len(shard.ids), backend.hidden_size, len(backend.layers)
     meta = shard_metadata(shard, src, backend, dtype=dtype, compute_dtype=compute_dtype,
                           model_path=model_path, model_fp=model_fp, tokenizer_fingerprint=tokenizer_fingerprint,
-                          source_sha256=source_sha256, length_limit=limit_key(max_seq_len, on_long),
+                          source_sha256=source_sha256, length_limit=limit_key(max_seq_len, on_long, source.lengths),
                           code_fingerprint=code_fingerprint, backend_args=backend_args)
     dst.parent.mkdir(parents=True, exist_ok=True)
     # header is < 100 bytes per sample (ids) + a few KB: count it generously
@@ -370,11 +376,13 @@ class DatasetRun:
     code_fp: str = ""
     backend_args: str = ""  # the backend's output-shaping arguments (canonical JSON; "" for none)
 
-    def resume_keys(self, source_sha256: str) -> dict[str, str]:
-        """The metadata an existing output shard must carry to be kept (:data:`RESUME_KEYS`)."""
+    def resume_keys(self, source_sha256: str, source: str | Path | None = None) -> dict[str, str]:
+        """The metadata an existing output shard of token shard ``source`` (its lengths decide whether
+        the length limit acts on it: read only when there is one) must carry to be kept (:data:`RESUME_KEYS`)."""
+        lengths = train_lengths(source) if self.max_seq_len is not None and source is not None else None
         values = {"format": FORMAT, "layers": json.dumps(self.layers),
                   "dtype": self.dtype, "compute_dtype": self.compute_dtype, "model_fingerprint": self.model_fp,
-                  "source_sha256": source_sha256, "length_limit": limit_key(self.max_seq_len, self.on_long),
+                  "source_sha256": source_sha256, "length_limit": limit_key(self.max_seq_len, self.on_long, lengths),
                   "code_fingerprint": self.code_fp, "backend": self.backend, "backend_args": self.backend_args}
         return {k: values[k] for k in RESUME_KEYS}
 
@@ -492,7 +500,7 @@ def _one_shard(run: DatasetRun, entry: dict[str, Any], runner: LazyBackend, batc
     src = run.tokens_dir / entry["file"]
     dst = run.target / output_name(entry["file"])
     meta = read_shard_metadata(dst) if dst.exists() else None
-    if meta is not None and resumable(meta, run.resume_keys(entry["sha256"])):
+    if meta is not None and resumable(meta, run.resume_keys(entry["sha256"], src)):
         log.info("%s: done already (source sha256 and settings match), skipped", dst.name)
         shard, flags = apply_length_limit(read_token_shard(src), run.max_seq_len, run.on_long)
         return {"file": dst.name, "source": src.name, "source_sha256": entry["sha256"],

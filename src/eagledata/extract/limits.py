@@ -8,6 +8,9 @@ before any forward.
 * Every affected sample is flagged (:func:`apply_length_limit` returns ``{"id", "tokens", "kept",
   "action"}`` records, ``action`` ``truncated`` or ``skipped``), recorded in the hidden-state
   manifest per shard and counted in the dataset's totals.
+* A limit acts on a shard only when one of its samples exceeds it: a stored shard's resume key
+  (:func:`eagledata.extract.core.limit_key`) counts a limit none of its samples reaches as no limit,
+  so adding, raising or removing such a limit re-extracts nothing.
 * :data:`TRAINER_MAX_LEN`: the trainers' default maximum lengths; samples stored longer than them
   are counted (:func:`over_trainer_max`) and warned about in the extract log, since the trainer cuts
   them again at load time unless its setting is raised.

@@ -116,12 +116,12 @@ def sidecar_of(shard: Path) -> Path:
     return shard.with_suffix(".json")
 
 
-def stored_record(run: DatasetRun, dst: Path, source_sha256: str) -> dict[str, Any] | None:
-    """The record of ``dst`` when the store holds a finished shard for exactly this source and these
-    settings, model and code (header on :data:`RESUME_KEYS`, sidecar naming this very file: size and
-    mtime), else ``None``."""
+def stored_record(run: DatasetRun, dst: Path, source_sha256: str, source: Path | None = None) -> dict[str, Any] | None:
+    """The record of ``dst`` when the store holds a finished shard for exactly this source (the token
+    shard ``source``) and these settings, model and code (header on :data:`RESUME_KEYS`, sidecar naming
+    this very file: size and mtime), else ``None``."""
     meta = read_shard_metadata(dst) if dst.is_file() else None
-    if meta is None or not resumable(meta, run.resume_keys(source_sha256)):
+    if meta is None or not resumable(meta, run.resume_keys(source_sha256, source)):
         return None
     try:
         record = json.loads(sidecar_of(dst).read_text(encoding="utf-8"))
@@ -163,7 +163,7 @@ def extract_keyed_shard(plan_path: str | Path, key: str, source: str | Path, sto
                        store)
     dst = store / output_name(entry["file"])
     _clear_tmp(dst)
-    record = stored_record(run, dst, entry["sha256"])
+    record = stored_record(run, dst, entry["sha256"], src)
     if record is not None:
         log.info("%s: in the store already (same source sha256, settings, model and code): kept untouched", dst)
         record = {**record, "resumed": True}

@@ -119,6 +119,15 @@ class TokenShard:
         return np.diff(self.offsets).tolist()
 
 
+def train_lengths(path: str | Path) -> list[int]:
+    """The lengths (prompt + completion tokens) of a tokens parquet shard's train rows, in order, as
+    :func:`read_token_shard` gives them (it checks that they are the rows' ``input_ids`` lengths)."""
+    import polars as pl
+
+    df = pl.read_parquet(path, columns=["train", "prompt_len", "completion_len"]).filter(pl.col("train"))
+    return (df["prompt_len"] + df["completion_len"]).to_list()
+
+
 def read_token_shard(path: str | Path) -> TokenShard:
     """Read a tokens parquet shard, keep rows with ``train == True``, and check each row:
     ``prompt_len + completion_len == len(input_ids) > 0``, ``0 <= prompt_len``, ``completion_len >= 0``."""
