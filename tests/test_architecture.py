@@ -244,7 +244,8 @@ def test_a_code_digest_cache_gives_what_the_module_gives(tmp_path):
     module.write_text("x = 1  # c\n")
     first = code_digest(module, cache)
     write_stamp([module], tmp_path / "stamp", cache_file=cache)  # saves the cache
-    assert json.loads(Path(cache).read_text()) == {hashlib.sha256(module.read_bytes()).hexdigest(): first}
+    [(key, cached)] = json.loads(Path(cache).read_text()).items()
+    assert key.endswith(":" + hashlib.sha256(module.read_bytes()).hexdigest()) and cached == first
     assert first == code_digest(module) == code_digest(module, cache)
     module.write_text("x = 2  # c\n")
     assert code_digest(module, cache) == code_digest(module) != first

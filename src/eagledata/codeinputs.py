@@ -175,6 +175,11 @@ def package_dir_for(workflow_dir: str | Path) -> Path:
     return Path(eagledata.__file__).resolve().parent
 
 
+# What :func:`_code_text` keeps of a module, as a cache key's prefix: change it with what it keeps, so
+# that no digest cached by an older version is taken for this one's.
+_CODE_TEXT_VERSION = "code-text-1"
+
+
 def code_digest(path: str | Path, cache_file: str | None = None) -> str:
     """The sha256 of a file; of a Python module, of its code only: its text without comments and
     docstrings, each line without trailing space, blank lines left out, but for the lines inside a
@@ -187,7 +192,7 @@ def code_digest(path: str | Path, cache_file: str | None = None) -> str:
     if Path(path).suffix != ".py":
         return hashlib.sha256(data).hexdigest()
     cache = _file_cache(cache_file)
-    raw = hashlib.sha256(data).hexdigest()
+    raw = f"{_CODE_TEXT_VERSION}:{hashlib.sha256(data).hexdigest()}"
     hit = cache.get(raw) if cache is not None else None
     if isinstance(hit, str):
         return hit
@@ -195,7 +200,7 @@ def code_digest(path: str | Path, cache_file: str | None = None) -> str:
         text = _code_text(data)
     except (SyntaxError, UnicodeDecodeError, tokenize.TokenError, ValueError):
         text = None
-    digest = raw if text is None else hashlib.sha256(text.encode("utf-8")).hexdigest()
+    digest = hashlib.sha256(data if text is None else text.encode("utf-8")).hexdigest()
     if cache is not None:
         cache[raw] = digest
         _CHANGED.add(cache_file)
