@@ -934,6 +934,38 @@ def test_per_shard_jobs_give_the_one_process_extraction_and_resume_on_code_ident
     assert quantized.backend_args() == '{"quantization":"fp8"}' and code2.backend_args() == ""
 
 
+def test_a_renamed_dataset_takes_its_shards_from_the_old_store(tmp_path, token_rows, weights, model):
+    """Shard names are content names: a dataset's shard job finds a shard another dataset's store holds
+    for exactly its source, settings, model and code (a renamed or copied dataset) and hard-links it
+    (with its sidecar) instead of extracting; other settings extract; the old store's pruning then
+    leaves the new store's files intact."""
+    from eagledata.extract.pershard import ExtractionSettings, extract_keyed_shard, prune_store
+
+    tokens = write_tokens(tmp_path / "tokens", token_rows)
+    plan = tmp_path / "plan.json"
+    shards = _per_shard_plan(tokens, plan)
+    settings = ExtractionSettings(weights=str(weights), dtype="float32", device="cpu", batch_tokens=200,
+                                  code_fingerprint="code-1")
+    results = tmp_path / "results"
+
+    def run_all(dataset, s):
+        store = results / dataset / "hidden.store"
+        return store, [extract_keyed_shard(plan, e["key"], tokens / e["file"], store,
+                                           results / dataset / "hidden.work" / f"{e['key']}.json", s, model=model)
+                       for e in shards]
+
+    old, first = run_all("old", settings)
+    assert not any(r["resumed"] for r in first)
+    new, again = run_all("new", settings)
+    assert all(r["resumed"] for r in again) and [r["sha256"] for r in again] == [r["sha256"] for r in first]
+    for r in again:
+        assert (new / r["file"]).stat().st_ino == (old / r["file"]).stat().st_ino
+    prune_store(old, [])
+    assert not any(old.iterdir()) and all((new / r["file"]).is_file() for r in again)
+    _, other = run_all("other", ExtractionSettings(**{**settings.__dict__, "code_fingerprint": "code-2"}))
+    assert not any(r["resumed"] for r in other)
+
+
 def test_shard_jobs_record_their_model_load_and_the_gather_warns_when_loads_dominate(tmp_path, token_rows, weights,
                                                                                       caplog):
     """Every extract_shard job loads the model: its record says how long, the gathered manifest sums the

@@ -133,6 +133,29 @@ def stored_record(run: DatasetRun, dst: Path, source_sha256: str, source: Path |
     return record
 
 
+def sibling_record(run: DatasetRun, dst: Path, source_sha256: str, source: Path | None = None) -> dict[str, Any] | None:
+    """The record of the same hidden shard found in another dataset's store (``results/*/hidden.store``:
+    a renamed or copied dataset, shard names being content names) for exactly this source, settings,
+    model and code (:func:`stored_record`), hard-linked with its sidecar into ``dst``'s store (copied,
+    mtimes kept, across file systems); ``None`` when no store holds one. Safe to share: every write
+    to a store replaces a file (write and rename), none writes into one, and a store's pruning only
+    unlinks its own names."""
+    for other in sorted(dst.parent.parent.parent.glob(f"*/{dst.parent.name}/{dst.name}")):
+        if other.parent.resolve() == dst.parent.resolve() or stored_record(run, other, source_sha256, source) is None:
+            continue
+        try:
+            link_file(sidecar_of(other), sidecar_of(dst))
+            link_file(other, dst)
+        except OSError as exc:  # pruned meanwhile by that dataset's gather
+            log.info("%s: could not take %s (%s)", dst, other, exc)
+            continue
+        record = stored_record(run, dst, source_sha256, source)
+        if record is not None:
+            log.info("%s: taken from %s (same source sha256, settings, model and code)", dst, other.parent)
+            return record
+    return None
+
+
 def _clear_tmp(dst: Path) -> None:
     for stale in dst.parent.glob(f"{dst.name}.tmp-*"):
         log.info("removing leftover %s of an interrupted job", stale)
@@ -166,6 +189,9 @@ def extract_keyed_shard(plan_path: str | Path, key: str, source: str | Path, sto
     record = stored_record(run, dst, entry["sha256"], src)
     if record is not None:
         log.info("%s: in the store already (same source sha256, settings, model and code): kept untouched", dst)
+    else:
+        record = sibling_record(run, dst, entry["sha256"], src)
+    if record is not None:
         record = {**record, "resumed": True}
     else:
         runner = LazyBackend(run, model, settings.device, settings.backend_options)
@@ -286,4 +312,4 @@ def warn_model_loads(timing: Mapping[str, Any]) -> None:
 
 
 __all__ = ["ExtractionSettings", "extract_keyed_shard", "gather_hidden", "job_time", "prune_store", "sidecar_of",
-           "stored_record", "warn_model_loads"]
+           "sibling_record", "stored_record", "warn_model_loads"]
