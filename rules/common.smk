@@ -3,7 +3,7 @@ import hashlib
 import re
 from pathlib import Path
 
-from eagledata.codeinputs import package_dir_for, stage_code, write_stamp
+from eagledata.codeinputs import package_dir_for, stage_code, stamp_file
 from eagledata.config import dataset_settings, validate_config
 from eagledata.extract.limits import length_limit
 from eagledata.extract.weights import model_files
@@ -25,19 +25,20 @@ TOKENIZER_FILES = ("tiktoken.model", "pattern.txt", "tokenizer.json", "tokenizer
                    "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "spiece.model",
                    "sentencepiece.bpe.model", "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja",
                    "chat_template.json", "config.json")
-TOKENIZER_CODE = "tokenization_*.py"
+TOKENIZER_GLOBS = ("tokenization_*.py", "*.tiktoken")  # its code (trust_remote_code) and vocabularies named by it
 # Code inputs: every project module a rule's script imports (transitively, eagledata.codeinputs),
 # plus data files it reads. Editing any of them reruns that rule and what follows; generation
 # declares none, so no code change ever re-sends a paid request. A rule declares one stamp per script,
 # not the files: thousands of per-shard jobs with some 25 inputs each made the dry run slow. The stamps
-# are written here, while the workflow is parsed, and only when their content changed (write_stamp):
-# a stamp is a source file whose checksum Snakemake compares, so an edit that changes no stamp (a
-# comment, a docstring, the version) reruns nothing. Jobs run elsewhere (--executor slurm) parse the
-# workflow again: only the main process writes.
+# are written here, while the workflow is parsed, named by their content (stamp_file: never rewritten,
+# so a Snakemake started during a run, say a dry run, changes nothing a running job declared): an edit
+# that changes no stamp (a comment, a docstring, the version) reruns nothing, a code change gives the
+# rules another stamp to declare. Jobs run elsewhere (--executor slurm) parse the workflow again and
+# find the same stamps; only the main process removes old ones.
 WORKFLOW_DIR = Path(workflow.main_snakefile).resolve().parent
 PACKAGE_DIR = package_dir_for(WORKFLOW_DIR)
 STAMPS = f"{RESULTS}/_code"
-CODE_STAMPS = {}  # stamp name -> the files it hashes
+CODE_STAMPS = {}  # stamp name -> its file
 _DIGESTS = ".snakemake/eagledata/digests.json"  # code digests by content (eagledata.codeinputs.code_digest)
 
 
@@ -59,12 +60,10 @@ def code_of(script, *data, shell=False):
     name = Path(script).stem
     if data:
         name = f"{name}+{hashlib.sha256(chr(0).join(data).encode('utf-8')).hexdigest()[:8]}"
-    stamp = f"{STAMPS}/scripts/{name}.sha256"
     if name not in CODE_STAMPS:
-        CODE_STAMPS[name] = code_files(script, *data, shell=shell)
-        if workflow.is_main_process:
-            write_stamp(CODE_STAMPS[name], stamp, cache_file=_DIGESTS)
-    return [stamp]
+        CODE_STAMPS[name] = str(stamp_file(code_files(script, *data, shell=shell), f"{STAMPS}/scripts", name,
+                                           cache_file=_DIGESTS, prune=workflow.is_main_process))
+    return [CODE_STAMPS[name]]
 
 
 def regex_of(names):
@@ -90,7 +89,7 @@ def tokenizer_files(model_name):
         return [tok] + files
     path = Path(tok)
     if path.is_dir():
-        code = sorted(str(p) for p in path.glob(TOKENIZER_CODE) if p.is_file())
+        code = sorted({str(p) for g in TOKENIZER_GLOBS for p in path.glob(g) if p.is_file()})
         return [str(path / f) for f in TOKENIZER_FILES if (path / f).exists()] + code + files
     return files
 
@@ -118,19 +117,18 @@ def tokenizer_settings(dataset):
 
 def stage_stamp(name, *scripts):
     """One stamp per dataset (written now) of the code stamps of ``scripts``, the dataset model's
-    tokenizer files and its tokenizer settings, for the per-shard jobs: a plain pattern (no input
-    function), one input. Those jobs run ``scripts`` as shell commands, so the scripts are stamped too.
-    A tokenizer a job builds is named, not hashed (its files may not exist yet): the jobs declare it
-    (:func:`built_tokenizer`)."""
+    tokenizer files and its tokenizer settings, for the per-shard jobs: one input, a dict lookup. Those
+    jobs run ``scripts`` as shell commands, so the scripts are stamped too. A tokenizer a job builds is
+    named, not hashed (its files may not exist yet): the jobs declare it (:func:`built_tokenizer`)."""
     code = [code_of(s, shell=True)[0] for s in scripts]
-    pattern = f"{STAMPS}/datasets/{{dataset}}/{name}.sha256"
-    if workflow.is_main_process:
-        for dataset in DATASETS:
-            files = tokenizer_files(config["datasets"][dataset]["model"])
-            write_stamp(code + [f for f in files if not _built(f)], pattern.format(dataset=dataset),
-                        settings=tokenizer_settings(dataset), built=[f for f in files if _built(f)],
-                        cache_file=_DIGESTS)
-    return pattern
+    stamps = {}
+    for dataset in DATASETS:
+        files = tokenizer_files(config["datasets"][dataset]["model"])
+        stamps[dataset] = str(stamp_file(code + [f for f in files if not _built(f)], f"{STAMPS}/datasets/{dataset}",
+                                         name, settings=tokenizer_settings(dataset),
+                                         built=[f for f in files if _built(f)], cache_file=_DIGESTS,
+                                         prune=workflow.is_main_process))
+    return lambda wildcards: stamps[wildcards.dataset]
 
 
 def built_tokenizer(wildcards):

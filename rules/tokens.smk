@@ -5,11 +5,12 @@
 # shard and gathers them into tokens/ (manifest.json and hard links into tokens.store/). Slices, parts
 # and the store live under results/{dataset}/ outside any directory() output, so an unchanged shard
 # keeps its files (bytes and mtimes) and reruns nothing. Input functions (token_parts and friends) are
-# in rules/common.smk; token_shard declares one stamp (stage_stamp, written while the workflow is
-# parsed) for its code, the tokenizer's files and its settings (which the job reads from it).
+# in rules/common.smk; token_shard declares one stamp (TOKENS_STAMP: stage_stamp, written while the
+# workflow is parsed) for its code, the tokenizer's files and its settings (which the job reads from it).
 
 
-# The code of token_shard and the dataset model's tokenizer (files and settings): one stamp per dataset.
+# The code of token_shard and the dataset model's tokenizer (files and settings): one stamp per dataset
+# (an input function: the stamp's name is its content's).
 TOKENS_STAMP = stage_stamp("tokens", "scripts/token_shard.py")
 
 
@@ -43,7 +44,7 @@ rule token_shard:
     """Reconstruct the exact token ids of one shard's samples; a summary of what they teach."""
     input:
         slice=f"{TOKENS_WORK}/slices/{{shard}}.tsv",
-        # the code of this step and the tokenizer, one file per dataset (a plain pattern: the dry run's cost)
+        # the code of this step and the tokenizer, one file per dataset
         stamp=TOKENS_STAMP,
         # the demo's tokenizer, which a job builds (named in the stamp, not hashed); else nothing
         tokenizer=built_tokenizer,

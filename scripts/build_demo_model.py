@@ -5,6 +5,7 @@ Plumbing only; the logic is eagledata.demo.model.build_demo_model.
 
 import logging
 
+from eagledata.codeinputs import verify_loaded_code
 from eagledata.demo.model import build_demo_model
 from eagledata.text.families import get_family
 from eagledata.text.tokenizer import load_tokenizer
@@ -18,6 +19,7 @@ try:
     seed = int(getattr(smk.params, "seed", 0))
     out = build_demo_model(smk.output[0], tok.vocab_size, seed=seed)
     log.info("built demo model at %s (vocabulary %d, seed %d)", out, tok.vocab_size, seed)
+    verify_loaded_code(smk.input.code)
 except Exception:
     log.exception("demo model build failed")
     raise

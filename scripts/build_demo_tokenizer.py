@@ -26,6 +26,9 @@ if "snakemake" in globals():
     smk = globals()["snakemake"]
     main(smk.output[0], corpus=getattr(smk.input, "corpus", None),
          log_file=smk.log[0] if smk.log else None)
+    from eagledata.codeinputs import verify_loaded_code
+
+    verify_loaded_code(smk.input.code)
 elif __name__ == "__main__":
     if len(sys.argv) not in (2, 3):
         sys.exit("usage: build_demo_tokenizer.py OUT_DIR [CORPUS]")

@@ -6,6 +6,7 @@ layout is assembled in an undeclared sibling work directory and renamed onto the
 import logging
 from pathlib import Path
 
+from eagledata.codeinputs import verify_loaded_code
 from eagledata.export import trainers as export
 from eagledata.io import sha256_file
 
@@ -23,6 +24,7 @@ try:
         kwargs["group_size"] = int(smk.params.group_size)
     export.EXPORTERS[kind](smk.input.hidden, out, work_dir=out.parent / f".{out.name}.partial",
                            store_dir=out.parent / f"{out.name}.store", **kwargs)
+    verify_loaded_code(smk.input.code)
 except Exception:
     log.exception("export failed")
     raise

@@ -4,6 +4,7 @@ eagledata.extract.pershard.gather_hidden."""
 
 import logging
 
+from eagledata.codeinputs import verify_loaded_code
 from eagledata.extract.pershard import ExtractionSettings, gather_hidden
 
 smk = snakemake  # noqa: F821  (injected by Snakemake)
@@ -13,6 +14,7 @@ log = logging.getLogger("eagledata.scripts.extract")
 try:
     settings = ExtractionSettings.from_config(smk.config, smk.wildcards.dataset, smk.input.weights)
     gather_hidden(smk.input.plan, smk.input.shards, smk.output[0], smk.params.store, settings)
+    verify_loaded_code(smk.input.code)
 except Exception:
     log.exception("gathering the hidden shards failed")
     raise

@@ -35,8 +35,10 @@ try:
     if resolve_device(device) == "cpu":
         torch.set_num_threads(max(1, int(smk.threads)))
     settings = ExtractionSettings.from_config(smk.config, smk.wildcards.dataset, smk.input.weights, smk.input.code)
+    from eagledata.codeinputs import verify_loaded_code  # noqa: E402
+
     record = extract_keyed_shard(smk.params.plan, smk.wildcards.shard, smk.input.tokens, smk.params.store,
-                                 smk.output[0], settings, job=job)
+                                 smk.output[0], settings, job=job, verify=lambda: verify_loaded_code(smk.input.code))
     log.info("shard %s -> %s (%s)", smk.wildcards.shard, record["file"],
              "kept from the store" if record["resumed"] else "extracted")
 except Exception:

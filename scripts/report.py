@@ -3,6 +3,7 @@ import logging
 import os
 import sys
 
+from eagledata.codeinputs import verify_loaded_code
 from eagledata.config import load_model_tokenizer
 from eagledata.report.build import build_dataset_report, build_run_report
 
@@ -23,6 +24,7 @@ try:
         ctx = build_run_report(datasets, sm.output.html, sm.output.json, sm.output.advice, sm.params.settings, links)
         advice = ctx["advice"]
         logging.info("run report over %s; routing advice: order %s, ignore %s", names, advice["order"], advice["ignore"])
+    verify_loaded_code(sm.input.code)
 except Exception:
     logging.exception("%s failed", sm.rule)
     sys.exit(1)

@@ -3,6 +3,7 @@ only as the main module: the processes that read a large responses file (spawned
 import logging
 import sys
 
+from eagledata.codeinputs import verify_loaded_code
 from eagledata.tokens.pershard import peak_memory_mb, plan_shards
 
 if __name__ == "__main__":
@@ -14,6 +15,7 @@ if __name__ == "__main__":
         logging.info("%s: %d samples in %d shards; %d slices (re)written, the others left untouched",
                      plan["dataset"], plan["rows"], len(plan["shards"]), plan["slices_written"])
         logging.info("peak memory %.0f MB", peak_memory_mb())
+        verify_loaded_code(sm.input.code)
     except Exception:
         logging.exception("token_plan failed")
         sys.exit(1)

@@ -8,7 +8,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from eagledata.codeinputs import stamp_settings
+from eagledata.codeinputs import stamp_settings, verify_loaded_code
 from eagledata.config import tokenizer_from_settings
 from eagledata.io import quick_exit
 from eagledata.tokens.pershard import peak_memory_mb, reconstruct_shard, slice_sources
@@ -24,6 +24,7 @@ try:
     summary = reconstruct_shard(args.slice, where, responses, args.part, args.summary, tokenizer, family)
     logging.info("shard %s: %d samples reconstructed", Path(args.slice).stem, summary["rows"])
     logging.info("peak memory %.0f MB", peak_memory_mb())
+    verify_loaded_code([args.stamp])
 except Exception:
     logging.exception("token_shard failed")
     quick_exit(1)

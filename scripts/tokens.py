@@ -4,6 +4,7 @@ import logging
 import sys
 from pathlib import Path
 
+from eagledata.codeinputs import verify_loaded_code
 from eagledata.config import dataset_settings, load_model_tokenizer
 from eagledata.tokens.pershard import learn_and_judge, peak_memory_mb
 
@@ -19,6 +20,7 @@ if __name__ == "__main__":
                      m["tokenizer_fingerprint"][:16])
         logging.info("provider conventions: %s", m["conventions"])
         logging.info("peak memory %.0f MB (this process; each judging worker holds one shard)", peak_memory_mb())
+        verify_loaded_code([*sm.input.code, sm.input.stamp])
     except Exception:
         logging.exception("tokens failed")
         sys.exit(1)

@@ -4,6 +4,7 @@ import logging
 import sys
 from pathlib import Path
 
+from eagledata.codeinputs import verify_loaded_code
 from eagledata.validate.profiles import history_path, record_validation
 from eagledata.validate.summary import ValidationFailed, render_summary, write_validation
 
@@ -15,6 +16,7 @@ try:
                               sm.params.bad_counts)
     record_validation(history_path(sm.config["cache_dir"]), report, manifest)
     logging.info("\n%s", render_summary(report))
+    verify_loaded_code(sm.input.code)
 except ValidationFailed as exc:
     # Snakemake deletes outputs of a failed job; the log and the fidelity history keep the findings.
     report = json.loads(Path(sm.output.json).read_text(encoding="utf-8"))

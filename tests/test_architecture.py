@@ -234,6 +234,61 @@ def test_a_stamp_is_rewritten_only_when_its_content_changes(tmp_path):
         os.utime(out, ns=(1, 1))
 
 
+def test_stamps_are_named_by_their_content_and_never_rewritten(tmp_path):
+    """stamp_file: ``{name}.{digest16}.sha256``, one file per content, never rewritten (a Snakemake
+    started while jobs run cannot change what they declared); a content current again after another is
+    made the newest (touched), so outputs made with the other are older than it; with ``prune``,
+    another content's stamps are removed once older than STAMP_KEEP_S."""
+    import time
+
+    from eagledata.codeinputs import STAMP_KEEP_S, stamp_file
+
+    module, stamps = tmp_path / "m.py", tmp_path / "stamps"
+    module.write_text("x = 1\n")
+    first = stamp_file([module], stamps, "s")
+    assert first.name == f"s.{first.read_text().splitlines()[-1][:16]}.sha256"
+    os.utime(first, ns=(10**9, 10**9))
+    assert stamp_file([module], stamps, "s") == first and first.stat().st_mtime_ns == 10**9  # left as it was
+    module.write_text("x = 2\n")
+    second = stamp_file([module], stamps, "s")
+    assert second != first and first.stat().st_mtime_ns == 10**9
+    module.write_text("x = 1\n")  # reverted: the first is current again, and the newest
+    assert stamp_file([module], stamps, "s") == first and first.stat().st_mtime_ns > second.stat().st_mtime_ns
+    assert stamp_file([module], stamps, "s", settings={"k": 1}) not in (first, second)
+    old = time.time() - STAMP_KEEP_S - 60
+    os.utime(second, (old, old))
+    stamp_file([module], stamps, "s")
+    assert second.is_file()  # kept without prune
+    (stamps / "s.notadigest.sha256").write_text("")
+    os.utime(stamps / "s.notadigest.sha256", (old, old))
+    stamp_file([module], stamps, "s", prune=True)
+    assert not second.is_file() and first.is_file() and (stamps / "s.notadigest.sha256").is_file()
+
+
+def test_a_job_that_ran_other_code_than_its_stamps_record_fails(tmp_path):
+    """verify_loaded_code: every project module loaded in this process must be, by its code, the one the
+    stamps record (a stage stamp's code stamps followed); another digest, or a loaded module no stamp
+    names, raises CodeChangedError naming it."""
+    import sys
+
+    from eagledata.codeinputs import CodeChangedError, stamp_file, verify_loaded_code
+
+    loaded = sorted(m.__file__ for n, m in sys.modules.items()
+                    if (n == "eagledata" or n.startswith("eagledata.")) and getattr(m, "__file__", None))
+    code = stamp_file(loaded, tmp_path / "scripts", "all")
+    stage = stamp_file([code], tmp_path / "datasets", "tokens", settings={"family": "k"})
+    verify_loaded_code([stage], cache_file=None)
+    io_file = sys.modules["eagledata.io"].__file__
+    edited = tmp_path / "edited"
+    edited.write_text("\n".join(line if not line.endswith("  " + io_file) else "0" * 64 + "  " + io_file
+                                for line in code.read_text().splitlines()) + "\n")
+    with pytest.raises(CodeChangedError, match=r"eagledata\.io \("):
+        verify_loaded_code([edited], cache_file=None)
+    partial = stamp_file([f for f in loaded if f != io_file], tmp_path / "scripts", "partial")
+    with pytest.raises(CodeChangedError, match=r"eagledata\.io .*in no stamp"):
+        verify_loaded_code([partial], cache_file=None)
+
+
 def test_a_code_digest_cache_gives_what_the_module_gives(tmp_path):
     """Code digests kept by the sha256 of a module's bytes (the workflow cuts every module's text at
     each start otherwise): a cached digest is the computed one, an edited module gets its own, and a

@@ -290,7 +290,15 @@ def test_every_demo_prompt_renders_and_encodes(tok, name):
 def test_script_snakemake_entry_writes_log(tmp_path, built):
     out, log = tmp_path / "out", tmp_path / "logs" / "demo.log"
     log.parent.mkdir()
-    fake = SimpleNamespace(output=[str(out)], log=[str(log)], input=SimpleNamespace(corpus=str(dt.default_corpus_path())))
+    from eagledata.codeinputs import stamp_file
+
+    # the job's code stamp (the rule declares one; the job checks it ran that code): every project module
+    # this process has loaded, the script's among them
+    loaded = sorted(m.__file__ for n, m in sys.modules.items()
+                    if (n == "eagledata" or n.startswith("eagledata.")) and getattr(m, "__file__", None))
+    code = stamp_file(loaded, tmp_path / "stamps", "build_demo_tokenizer")
+    fake = SimpleNamespace(output=[str(out)], log=[str(log)],
+                           input=SimpleNamespace(corpus=str(dt.default_corpus_path()), code=[str(code)]))
     runpy.run_path(str(REPO / "scripts" / "build_demo_tokenizer.py"), init_globals={"snakemake": fake})
     assert (out / "tiktoken.model").read_bytes() == (built / "tiktoken.model").read_bytes()
     assert "trained 1792 ranks" in log.read_text()

@@ -966,6 +966,36 @@ def test_a_renamed_dataset_takes_its_shards_from_the_old_store(tmp_path, token_r
     assert not any(r["resumed"] for r in other)
 
 
+def test_a_shard_whose_job_ran_other_code_is_not_published(tmp_path, token_rows, weights, model):
+    """extract_keyed_shard's ``verify`` (the job's check that the code it ran is its stamps' code) runs
+    before a new shard's sidecar is written: when it raises, the shard is removed, so no later job takes
+    it from the store under the stamps' key; the next job extracts it."""
+    from eagledata.codeinputs import CodeChangedError
+    from eagledata.extract.pershard import ExtractionSettings, extract_keyed_shard
+
+    tokens = write_tokens(tmp_path / "tokens", token_rows)
+    plan = tmp_path / "plan.json"
+    entry = _per_shard_plan(tokens, plan)[0]
+    settings = ExtractionSettings(weights=str(weights), dtype="float32", device="cpu", batch_tokens=200,
+                                  code_fingerprint="code-1")
+    store = tmp_path / "hidden.store"
+
+    def run(verify=None):
+        return extract_keyed_shard(plan, entry["key"], tokens / entry["file"], store, tmp_path / "rec.json", settings,
+                                   model=model, verify=verify)
+
+    def changed():
+        raise CodeChangedError("edited while it ran")
+
+    with pytest.raises(CodeChangedError):
+        run(changed)
+    assert not any(store.iterdir()) and not (tmp_path / "rec.json").exists()
+    assert not run()["resumed"]
+    with pytest.raises(CodeChangedError):  # a shard kept from the store is checked too (its record is an output)
+        run(changed)
+    assert run(lambda: None)["resumed"]
+
+
 def test_shard_jobs_record_their_model_load_and_the_gather_warns_when_loads_dominate(tmp_path, token_rows, weights,
                                                                                       caplog):
     """Every extract_shard job loads the model: its record says how long, the gathered manifest sums the

@@ -158,7 +158,7 @@ def _readers(work: Path) -> dict[str, frozenset[str]]:
     readers: dict[str, set[str]] = defaultdict(set)
     for stamp in (work / "results/_code/scripts").glob("*.sha256"):
         for line in stamp.read_text().splitlines()[:-1]:
-            readers[line.split("  ", 1)[1]].add(stamp.name)
+            readers[line.split("  ", 1)[1]].add(stamp.name.split(".")[0])  # {name}.{digest16}.sha256
     assert readers, f"no code stamps under {work}"
     return {path: frozenset(stamps) for path, stamps in readers.items()}
 
@@ -255,14 +255,16 @@ def test_a_hugging_face_tokenizers_files_and_code_are_inputs_its_weights_are_not
     (work / "responses.jsonl").write_text("")
     configure(work, models={"m": {"family": "kimi-k2", "tokenizer": str(tok), "api_model": "org/m"}},
               datasets={"d": {"model": "m", "responses": "responses.jsonl"}})
-    snakemake(work, "-n")  # the workflow writes its stamps while it is parsed
-    stamp = (work / "results/_code/datasets/d/tokens.sha256").read_text()
-    hashed = {line.split("  ", 1)[1] for line in stamp.splitlines() if "  " in line}
+    stamps = work / "results/_code/datasets/d"
+    snakemake(work, "-n")  # the workflow writes its stamps while it is parsed, named by their content
+    [stamp] = stamps.glob("tokens.*.sha256")
+    hashed = {line.split("  ", 1)[1] for line in stamp.read_text().splitlines() if "  " in line}
     assert {str(tok / name) for name in read} <= hashed
     assert not {str(tok / name) for name in ("model.safetensors", "README.md")} & hashed
+    assert stamp.name == f"tokens.{stamp.read_text().splitlines()[-1][:16]}.sha256"
     (tok / "merges.txt").write_text('{"edited": 1}')
     snakemake(work, "-n")
-    assert (work / "results/_code/datasets/d/tokens.sha256").read_text() != stamp
+    assert len(list(stamps.glob("tokens.*.sha256"))) == 2 and stamp.is_file()  # the first is never rewritten
 
 
 def test_a_weight_file_rewritten_in_place_reruns_extraction(demo_run, tmp_path):

@@ -40,8 +40,12 @@ def copy_run(work: Path, dest: Path) -> Path:
 
 
 def snakemake(workdir: Path, *args: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """Snakemake in ``workdir``, whose jobs import the copy's own package (the stamps are of it, and a job
+    that ran other code than its stamps record fails: eagledata.codeinputs.verify_loaded_code)."""
     cmd = [sys.executable, "-m", "snakemake", "--cores", "2", *args]
-    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=900)
+    own = {"PYTHONPATH": str(Path(workdir) / "src")} if (Path(workdir) / "src" / "eagledata").is_dir() else {}
+    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, env={**os.environ, **own, **(env or {})},
+                          timeout=900)
     if check and proc.returncode != 0:
         raise AssertionError(f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc

@@ -10,14 +10,16 @@ Why our own code: Python's ``modulefinder`` executes no code either, but follows
 and standard-library import (slow for a dry run of many jobs) and does not resolve the project's
 package from a checkout other than the installed one.
 
-Stamps: a rule does not declare those files itself. :func:`write_stamp` hashes them into one small
+Stamps: a rule does not declare those files itself. :func:`stamp_file` hashes them into one small
 file, and the rule declares that stamp, so a workflow of thousands of per-shard jobs builds one input
 per job instead of some 25 (the dry run's cost). The workflow writes its stamps while it is parsed
-(rules/common.smk), each only when its content changed: a stamp is a source file, not a job's output,
-so Snakemake compares its recorded checksum and reruns the jobs declaring it only when its content
-differs (a stamp job that ran would rerun all of them whatever it wrote). A module counts in a stamp
-by its code only (:func:`code_digest`: comments and docstrings left out), so such an edit reruns
-nothing, and a job that keys stored results on a stamp's content (extraction's resume key) keeps them.
+(rules/common.smk), named by their content (``{name}.{digest16}.sha256``): a stamp is a source file,
+not a job's output (a stamp job that ran reran every job declaring it, whatever it wrote), and it is
+never rewritten, so a Snakemake started while jobs run (a dry run) cannot change what a running job
+declared: a code change gives the rules another input (Snakemake's input trigger), a revert the one
+their outputs recorded. A module counts in a stamp by its code only (:func:`code_digest`: comments
+and docstrings left out), so such an edit reruns nothing, and a job that keys stored results on a
+stamp's content (extraction's resume key) keeps them.
 """
 
 from __future__ import annotations
@@ -26,14 +28,26 @@ import ast
 import hashlib
 import io
 import json
+import os
+import re
+import sys
+import time
 import tokenize
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from eagledata.errors import StageError
 from eagledata.io import atomic_write_text, sha256_text
 
 PACKAGE = "eagledata"
+#: the workflow's cache of code digests (relative to its working directory, where its jobs run too)
+DIGESTS_CACHE = ".snakemake/eagledata/digests.json"
+
+
+class CodeChangedError(StageError):
+    """A job ran other code than the stamps it declared record (edited while the workflow ran, or an
+    installed package that is not the checkout): its results would be recorded as the stamps' code's."""
 
 
 def _module_file(package_dir: Path, dotted: str) -> Path | None:
@@ -288,6 +302,36 @@ def stamp_settings(path: str | Path) -> Any:
     return None
 
 
+#: stamps of an earlier content are removed after this long (a job declaring one has long ended)
+STAMP_KEEP_S = 30 * 24 * 3600
+
+
+def stamp_file(paths: list[str | Path], directory: str | Path, name: str, settings: Any = None,
+               built: list[str] = (), cache_file: str | None = None, prune: bool = False) -> Path:
+    """The stamp of ``paths`` (:func:`write_stamp`) as ``directory/{name}.{digest16}.sha256``, written
+    unless it exists, and the newest of ``name``'s stamps (a stamp current again after another is
+    touched: outputs made with the other are then older than it, even for a Snakemake that reruns on
+    times alone); with ``prune``, the stamps of ``name`` of another content written over
+    :data:`STAMP_KEEP_S` ago are removed."""
+    directory = Path(directory)
+    lines = _stamp_lines(paths, settings, built, cache_file)
+    digest = sha256_text("\n".join(lines))
+    out = directory / f"{name}.{digest[:16]}.sha256"
+    _write_lines(lines, digest, out)
+    others = [p for p in directory.glob(f"{name}.*.sha256") if p != out and re.fullmatch(r"[0-9a-f]{16}", p.name[len(name) + 1:-7])]
+    try:
+        if any(p.stat().st_mtime_ns >= out.stat().st_mtime_ns for p in others):
+            os.utime(out)
+        if prune:
+            old = time.time() - STAMP_KEEP_S
+            for other in others:
+                if other.stat().st_mtime < old:
+                    other.unlink()
+    except OSError:
+        pass  # another process removed one
+    return out
+
+
 def write_stamp(paths: list[str | Path], out: str | Path, settings: Any = None, built: list[str] = (),
                 cache_file: str | None = None) -> str:
     """Write the stamp of ``paths`` (:func:`stamp_lines`; then a ``built  path`` line for each of
@@ -295,17 +339,69 @@ def write_stamp(paths: list[str | Path], out: str | Path, settings: Any = None, 
     line of sorted JSON when given; then the sha256 of those lines) to ``out`` atomically, unless
     ``out`` holds exactly that already (it then keeps its mtime); return that digest. ``cache_file``:
     :func:`code_digest`'s."""
+    lines = _stamp_lines(paths, settings, built, cache_file)
+    digest = sha256_text("\n".join(lines))
+    _write_lines(lines, digest, Path(out))
+    return digest
+
+
+def _stamp_lines(paths: list[str | Path], settings: Any, built: list[str], cache_file: str | None) -> list[str]:
     lines = stamp_lines(paths, cache_file) + [f"built  {path}" for path in built]
     _save_cache(cache_file)
     if settings is not None:
         lines.append(f"settings {json.dumps(settings, sort_keys=True, ensure_ascii=False)}")
-    digest = sha256_text("\n".join(lines))
+    return lines
+
+
+def _write_lines(lines: list[str], digest: str, out: Path) -> None:
+    """Write a stamp's ``lines`` and ``digest`` to ``out`` atomically unless it holds exactly them."""
     text = "".join(f"{line}\n" for line in lines) + f"{digest}  (all)\n"
     try:
-        if Path(out).read_text(encoding="utf-8") == text:
-            return digest
+        if out.read_text(encoding="utf-8") == text:
+            return
     except (OSError, UnicodeDecodeError):
         pass
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, text)
-    return digest
+
+
+def _stamped_modules(stamp: Path, into: dict[str, str]) -> None:
+    """The module digests a stamp records (dotted name -> digest), following the code stamps a stage
+    stamp lists."""
+    for line in stamp.read_text(encoding="utf-8").splitlines()[:-1]:
+        digest, sep, path = line.partition("  ")
+        if not sep or digest in ("built", "settings"):
+            continue
+        parts = Path(path).parts
+        if path.endswith(".sha256"):
+            _stamped_modules(Path(path), into)
+        elif path.endswith(".py") and PACKAGE in parts:
+            at = len(parts) - 1 - parts[::-1].index(PACKAGE)
+            dotted = [*parts[at:-1], Path(parts[-1]).stem]
+            into[".".join(dotted[:-1] if dotted[-1] == "__init__" else dotted)] = digest
+
+
+def verify_loaded_code(stamps: list[str | Path], cache_file: str | None = DIGESTS_CACHE) -> None:
+    """Raise :class:`CodeChangedError` unless every project module this process has loaded is, by its
+    code (:func:`code_digest`), the module the ``stamps`` a job declared record (the job's end, before
+    it publishes anything the stamps key). A job started after its stamps were written runs the code
+    on disk then: an edit in between (reverted before the next run) would leave its results recorded
+    as the stamps' code's, and an installed package that is not the stamped checkout would run
+    unstamped code."""
+    stamped: dict[str, str] = {}
+    for stamp in stamps:
+        _stamped_modules(Path(stamp), stamped)
+    changed = []
+    for name, module in sorted(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if (name == PACKAGE or name.startswith(PACKAGE + ".")) and path and path.endswith(".py"):
+            want = stamped.get(name)
+            if want is None:
+                changed.append(f"{name} ({path}: in no stamp)")
+            elif code_digest(path, cache_file) != want:
+                changed.append(f"{name} ({path})")
+    if changed:
+        raise CodeChangedError(
+            f"this job ran code other than its stamps {[str(s) for s in stamps]} record: {', '.join(changed)}; "
+            "edited while the workflow ran, or an installed eagledata that is not this checkout "
+            "(pip install -e .): its results are discarded; start snakemake again")

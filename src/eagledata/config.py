@@ -294,7 +294,7 @@ def tokenizer_from_settings(settings: Mapping[str, Any] | None):
     stamp without settings, written by an older eagledata) is refused: rerun its stamp job."""
     if settings is None:
         raise ConfigError("the stage stamp carries no tokenizer settings (written by an older eagledata): "
-                          "rerun it (snakemake -R stage_stamp)")
+                          "start snakemake again, which writes the stamps")
     name = settings["family"]
     definition = settings.get("family_definition")
     families = {name: definition} if definition is not None else {}

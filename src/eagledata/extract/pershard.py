@@ -33,7 +33,7 @@ import socket
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from eagledata.extract.base import ExtractionError
 from eagledata.extract.core import (
@@ -164,13 +164,16 @@ def _clear_tmp(dst: Path) -> None:
 
 def extract_keyed_shard(plan_path: str | Path, key: str, source: str | Path, store_dir: str | Path,
                         record_path: str | Path, settings: ExtractionSettings, *, model: Any = None,
-                        job: dict[str, Any] | None = None) -> dict[str, Any]:
+                        job: dict[str, Any] | None = None, verify: Callable[[], None] | None = None) -> dict[str, Any]:
     """Extract the token shard of ``key`` (``source``, the plan's file for it) into ``store_dir`` and
     write the job's record to ``record_path``; returns the record (``resumed``: kept from the store).
 
     ``model``: an already loaded model or backend (tests, benchmarks); else the backend is loaded
     (only when the shard is not in the store already). ``job``: facts of the running job recorded as
-    they are (e.g. its claimed ``gpus``); ``started`` / ``finished`` wall times are added."""
+    they are (e.g. its claimed ``gpus``); ``started`` / ``finished`` wall times are added. ``verify``:
+    called before a new shard is published (its sidecar written) and before the record: an exception
+    from it removes the new shard (:func:`eagledata.codeinputs.verify_loaded_code`: the code that ran
+    is the code the settings' fingerprint names)."""
     t_start = time.time()
     plan = read_plan(plan_path)
     entry = plan_entry(plan, key)
@@ -192,6 +195,8 @@ def extract_keyed_shard(plan_path: str | Path, key: str, source: str | Path, sto
     else:
         record = sibling_record(run, dst, entry["sha256"], src)
     if record is not None:
+        if verify is not None:
+            verify()
         record = {**record, "resumed": True}
     else:
         runner = LazyBackend(run, model, settings.device, settings.backend_options)
@@ -204,6 +209,12 @@ def extract_keyed_shard(plan_path: str | Path, key: str, source: str | Path, sto
                 code_fingerprint=run.code_fp, backend_args=run.backend_args)
         finally:
             runner.close()
+        if verify is not None:
+            try:
+                verify()
+            except Exception:
+                dst.unlink(missing_ok=True)
+                raise
         record = with_file_facts({**stats, "model_load_s": round(runner.load_s, 3)}, dst, {})
         atomic_write_json(sidecar_of(dst), record)
         record = {**record, "resumed": False}
