@@ -15,6 +15,7 @@ logging.basicConfig(filename=smk.log[0], level=logging.INFO, format="%(asctime)s
 log = logging.getLogger("eagledata.scripts.build_demo_model")
 
 try:
+    verify_loaded_code(smk.input.code)  # the code imported is the code stamped (and again at the end)
     tok = load_tokenizer(smk.input.tokenizer, get_family("kimi-k2.5"))
     seed = int(getattr(smk.params, "seed", 0))
     out = build_demo_model(smk.output[0], tok.vocab_size, seed=seed)

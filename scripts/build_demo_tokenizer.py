@@ -23,11 +23,12 @@ def main(out_dir: str, corpus: str | None = None, log_file: str | None = None) -
 
 
 if "snakemake" in globals():
-    smk = globals()["snakemake"]
-    main(smk.output[0], corpus=getattr(smk.input, "corpus", None),
-         log_file=smk.log[0] if smk.log else None)
     from eagledata.codeinputs import verify_loaded_code
 
+    smk = globals()["snakemake"]
+    verify_loaded_code(smk.input.code)  # the code imported is the code stamped (and again at the end)
+    main(smk.output[0], corpus=getattr(smk.input, "corpus", None),
+         log_file=smk.log[0] if smk.log else None)
     verify_loaded_code(smk.input.code)
 elif __name__ == "__main__":
     if len(sys.argv) not in (2, 3):

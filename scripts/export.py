@@ -15,6 +15,7 @@ logging.basicConfig(filename=smk.log[0], level=logging.INFO, format="%(asctime)s
 log = logging.getLogger("eagledata.scripts.export")
 
 try:
+    verify_loaded_code(smk.input.code)  # the code imported is the code stamped (and again at the end)
     out = Path(smk.output[0])
     kind = smk.params.kind
     # the code stamp's digest keys the store's entries: files older code wrote are not reused

@@ -12,6 +12,7 @@ logging.basicConfig(filename=smk.log[0], level=logging.INFO, format="%(asctime)s
 log = logging.getLogger("eagledata.scripts.extract")
 
 try:
+    verify_loaded_code(smk.input.code)  # the code imported is the code stamped (and again at the end)
     settings = ExtractionSettings.from_config(smk.config, smk.wildcards.dataset, smk.input.weights)
     gather_hidden(smk.input.plan, smk.input.shards, smk.output[0], smk.params.store, settings)
     verify_loaded_code(smk.input.code)

@@ -10,6 +10,7 @@ from eagledata.report.build import build_dataset_report, build_run_report
 sm = snakemake  # noqa: F821 - injected by Snakemake
 logging.basicConfig(filename=sm.log[0], level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 try:
+    verify_loaded_code(sm.input.code)  # the code imported is the code stamped (and again at the end)
     if sm.rule == "report_dataset":
         name = sm.wildcards.dataset
         tokenizer = load_model_tokenizer(sm.config, sm.config["datasets"][name]["model"])

@@ -19,6 +19,7 @@ for name in ("slice", "stamp", "part", "summary", "log"):
 args = ap.parse_args()
 logging.basicConfig(filename=args.log, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 try:
+    verify_loaded_code([args.stamp])  # the code imported is the code stamped (and again at the end)
     tokenizer, family = tokenizer_from_settings(stamp_settings(args.stamp))
     where, responses = slice_sources(args.slice)
     summary = reconstruct_shard(args.slice, where, responses, args.part, args.summary, tokenizer, family)

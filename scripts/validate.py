@@ -12,6 +12,7 @@ sm = snakemake  # noqa: F821 - injected by Snakemake
 logging.basicConfig(filename=sm.log[0], level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 manifest = json.loads((Path(sm.input.tokens) / "manifest.json").read_text(encoding="utf-8"))
 try:
+    verify_loaded_code(sm.input.code)  # the code imported is the code stamped (and again at the end)
     report = write_validation(sm.input.tokens, sm.output.json, sm.output.summary, sm.params.max_bad_fraction,
                               sm.params.bad_counts)
     record_validation(history_path(sm.config["cache_dir"]), report, manifest)

@@ -277,16 +277,19 @@ def test_a_job_that_ran_other_code_than_its_stamps_record_fails(tmp_path):
                     if (n == "eagledata" or n.startswith("eagledata.")) and getattr(m, "__file__", None))
     code = stamp_file(loaded, tmp_path / "scripts", "all")
     stage = stamp_file([code], tmp_path / "datasets", "tokens", settings={"family": "k"})
-    verify_loaded_code([stage], cache_file=None)
+    verify_loaded_code([stage], cache_file=None, checked=set())
     io_file = sys.modules["eagledata.io"].__file__
     edited = tmp_path / "edited"
     edited.write_text("\n".join(line if not line.endswith("  " + io_file) else "0" * 64 + "  " + io_file
                                 for line in code.read_text().splitlines()) + "\n")
     with pytest.raises(CodeChangedError, match=r"eagledata\.io \("):
-        verify_loaded_code([edited], cache_file=None)
+        verify_loaded_code([edited], cache_file=None, checked=set())
     partial = stamp_file([f for f in loaded if f != io_file], tmp_path / "scripts", "partial")
     with pytest.raises(CodeChangedError, match=r"eagledata\.io .*in no stamp"):
-        verify_loaded_code([partial], cache_file=None)
+        verify_loaded_code([partial], cache_file=None, checked=set())
+    checked = set()
+    verify_loaded_code([code], cache_file=None, checked=checked)  # what a job checked once is not checked again
+    verify_loaded_code([edited], cache_file=None, checked=checked)
 
 
 def test_a_code_digest_cache_gives_what_the_module_gives(tmp_path):

@@ -381,20 +381,29 @@ def _stamped_modules(stamp: Path, into: dict[str, str]) -> None:
             into[".".join(dotted[:-1] if dotted[-1] == "__init__" else dotted)] = digest
 
 
-def verify_loaded_code(stamps: list[str | Path], cache_file: str | None = DIGESTS_CACHE) -> None:
-    """Raise :class:`CodeChangedError` unless every project module this process has loaded is, by its
-    code (:func:`code_digest`), the module the ``stamps`` a job declared record (the job's end, before
-    it publishes anything the stamps key). A job started after its stamps were written runs the code
-    on disk then: an edit in between (reverted before the next run) would leave its results recorded
-    as the stamps' code's, and an installed package that is not the stamped checkout would run
-    unstamped code."""
+_VERIFIED: set[str] = set()  # project modules this process has checked against its stamps
+
+
+def verify_loaded_code(stamps: list[str | Path], cache_file: str | None = DIGESTS_CACHE,
+                       checked: set[str] | None = None) -> None:
+    """Raise :class:`CodeChangedError` unless every project module this process has loaded since the
+    last call is, by its code (:func:`code_digest` of its file now), the module the ``stamps`` a job
+    declared record. A job calls it once its imports are done (its modules' files are then the code it
+    runs) and again at its end (modules imported since), before it publishes anything the stamps key.
+    A job started after its stamps were written runs the code on disk then: an edit in between
+    (reverted before the next run) would leave its results recorded as the stamps' code's, and an
+    installed package that is not the stamped checkout would run unstamped code. An edit made while
+    the job runs is no concern of it: its stamps name the code it loaded, the next run's stamps the
+    new code. ``checked``: the modules checked already (default: this process's)."""
     stamped: dict[str, str] = {}
     for stamp in stamps:
         _stamped_modules(Path(stamp), stamped)
     changed = []
     for name, module in sorted(sys.modules.items()):
         path = getattr(module, "__file__", None)
-        if (name == PACKAGE or name.startswith(PACKAGE + ".")) and path and path.endswith(".py"):
+        if (name == PACKAGE or name.startswith(PACKAGE + ".")) and path and path.endswith(".py") \
+                and name not in (_VERIFIED if checked is None else checked):
+            (_VERIFIED if checked is None else checked).add(name)
             want = stamped.get(name)
             if want is None:
                 changed.append(f"{name} ({path}: in no stamp)")
