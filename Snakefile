@@ -1,5 +1,6 @@
 # eagledata: prompts -> responses -> exact token ids -> validation -> EAGLE-3 hidden states.
 # Targets: `all` (every dataset), or one rule per dataset named after it (`snakemake --cores 8 B3`).
+import json
 import os
 import sys
 from pathlib import Path
@@ -50,6 +51,15 @@ include: "rules/validate.smk"
 include: "rules/extract.smk"
 include: "rules/export.smk"
 include: "rules/report.smk"
+
+
+# The stamps this process wrote (rules/common.smk), for the jobs run elsewhere to declare the same.
+if workflow.is_main_process:
+    os.environ["EAGLEDATA_STAMPS"] = json.dumps(ALL_STAMPS, sort_keys=True)
+
+
+envvars:
+    "EAGLEDATA_STAMPS",
 
 
 rule all:

@@ -1,5 +1,7 @@
 # Helpers shared by every stage: resolved settings, paths, input functions.
 import hashlib
+import json
+import os
 import re
 from pathlib import Path
 
@@ -33,11 +35,15 @@ TOKENIZER_GLOBS = ("tokenization_*.py", "*.tiktoken")  # its code (trust_remote_
 # are written here, while the workflow is parsed, named by their content (stamp_file: never rewritten,
 # so a Snakemake started during a run, say a dry run, changes nothing a running job declared): an edit
 # that changes no stamp (a comment, a docstring, the version) reruns nothing, a code change gives the
-# rules another stamp to declare. Jobs run elsewhere (--executor slurm) parse the workflow again and
-# find the same stamps; only the main process removes old ones.
+# rules another stamp to declare. A job run elsewhere (--executor slurm) parses the workflow again: it
+# takes the main process's stamps (EAGLEDATA_STAMPS, passed to jobs; the Snakefile sets it) rather than
+# the code on disk when it starts, so a job that runs code edited since fails its check
+# (eagledata.codeinputs.verify_loaded_code) instead of being recorded as the stamped code's.
 WORKFLOW_DIR = Path(workflow.main_snakefile).resolve().parent
 PACKAGE_DIR = package_dir_for(WORKFLOW_DIR)
 STAMPS = f"{RESULTS}/_code"
+ALL_STAMPS = {}  # "scripts/{name}" or "datasets/{dataset}/{name}" -> its stamp file
+_GIVEN_STAMPS = {} if workflow.is_main_process else json.loads(os.environ.get("EAGLEDATA_STAMPS") or "{}")
 CODE_STAMPS = {}  # stamp name -> its file
 _DIGESTS = ".snakemake/eagledata/digests.json"  # code digests by content (eagledata.codeinputs.code_digest)
 
@@ -61,8 +67,8 @@ def code_of(script, *data, shell=False):
     if data:
         name = f"{name}+{hashlib.sha256(chr(0).join(data).encode('utf-8')).hexdigest()[:8]}"
     if name not in CODE_STAMPS:
-        CODE_STAMPS[name] = str(stamp_file(code_files(script, *data, shell=shell), f"{STAMPS}/scripts", name,
-                                           cache_file=_DIGESTS, prune=workflow.is_main_process))
+        CODE_STAMPS[name] = ALL_STAMPS[f"scripts/{name}"] = _GIVEN_STAMPS.get(f"scripts/{name}") or str(
+            stamp_file(code_files(script, *data, shell=shell), f"{STAMPS}/scripts", name, cache_file=_DIGESTS))
     return [CODE_STAMPS[name]]
 
 
@@ -123,11 +129,11 @@ def stage_stamp(name, *scripts):
     code = [code_of(s, shell=True)[0] for s in scripts]
     stamps = {}
     for dataset in DATASETS:
+        key = f"datasets/{dataset}/{name}"
         files = tokenizer_files(config["datasets"][dataset]["model"])
-        stamps[dataset] = str(stamp_file(code + [f for f in files if not _built(f)], f"{STAMPS}/datasets/{dataset}",
-                                         name, settings=tokenizer_settings(dataset),
-                                         built=[f for f in files if _built(f)], cache_file=_DIGESTS,
-                                         prune=workflow.is_main_process))
+        stamps[dataset] = ALL_STAMPS[key] = _GIVEN_STAMPS.get(key) or str(
+            stamp_file(code + [f for f in files if not _built(f)], f"{STAMPS}/datasets/{dataset}", name,
+                       settings=tokenizer_settings(dataset), built=[f for f in files if _built(f)], cache_file=_DIGESTS))
     return lambda wildcards: stamps[wildcards.dataset]
 
 

@@ -37,7 +37,7 @@ try:
     settings = ExtractionSettings.from_config(smk.config, smk.wildcards.dataset, smk.input.weights, smk.input.code)
     from eagledata.codeinputs import verify_loaded_code  # noqa: E402
 
-    verify_loaded_code(smk.input.code)  # the code imported is the code stamped (and again before publishing)
+    verify_loaded_code(smk.input.code, children=True)  # the code imported is the code stamped (again before publishing)
     record = extract_keyed_shard(smk.params.plan, smk.wildcards.shard, smk.input.tokens, smk.params.store,
                                  smk.output[0], settings, job=job, verify=lambda: verify_loaded_code(smk.input.code))
     log.info("shard %s -> %s (%s)", smk.wildcards.shard, record["file"],

@@ -10,7 +10,7 @@ if __name__ == "__main__":
     sm = snakemake  # noqa: F821 - injected by Snakemake
     logging.basicConfig(filename=sm.log[0], level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
-        verify_loaded_code(sm.input.code)  # the code imported is the code stamped (and again at the end)
+        verify_loaded_code(sm.input.code, children=True)  # the code imported is the code stamped (and again at the end)
         plan = plan_shards(sm.input.responses, sm.output.plan, sm.params.slices, sm.wildcards.dataset,
                            sm.params.shard_size, workers=sm.threads)
         logging.info("%s: %d samples in %d shards; %d slices (re)written, the others left untouched",

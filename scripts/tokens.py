@@ -12,7 +12,7 @@ if __name__ == "__main__":
     sm = snakemake  # noqa: F821 - injected by Snakemake
     logging.basicConfig(filename=sm.log[0], level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
-        verify_loaded_code([*sm.input.code, sm.input.stamp])  # the code imported is the code stamped
+        verify_loaded_code([*sm.input.code, sm.input.stamp], children=True)  # the code imported is the code stamped
         ds = dataset_settings(sm.config, sm.wildcards.dataset)
         tokenizer = load_model_tokenizer(sm.config, ds.model_name)
         m = learn_and_judge(sm.params.plan, Path(sm.params.plan).parent, sm.output[0], sm.params.store, tokenizer,

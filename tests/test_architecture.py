@@ -236,12 +236,9 @@ def test_a_stamp_is_rewritten_only_when_its_content_changes(tmp_path):
 
 def test_stamps_are_named_by_their_content_and_never_rewritten(tmp_path):
     """stamp_file: ``{name}.{digest16}.sha256``, one file per content, never rewritten (a Snakemake
-    started while jobs run cannot change what they declared); a content current again after another is
-    made the newest (touched), so outputs made with the other are older than it; with ``prune``,
-    another content's stamps are removed once older than STAMP_KEEP_S."""
-    import time
-
-    from eagledata.codeinputs import STAMP_KEEP_S, stamp_file
+    started while jobs run cannot change what they declared) nor removed; a content current again after
+    another is made the newest (touched), so outputs made with the other are older than it."""
+    from eagledata.codeinputs import stamp_file
 
     module, stamps = tmp_path / "m.py", tmp_path / "stamps"
     module.write_text("x = 1\n")
@@ -254,15 +251,8 @@ def test_stamps_are_named_by_their_content_and_never_rewritten(tmp_path):
     assert second != first and first.stat().st_mtime_ns == 10**9
     module.write_text("x = 1\n")  # reverted: the first is current again, and the newest
     assert stamp_file([module], stamps, "s") == first and first.stat().st_mtime_ns > second.stat().st_mtime_ns
+    assert second.is_file()
     assert stamp_file([module], stamps, "s", settings={"k": 1}) not in (first, second)
-    old = time.time() - STAMP_KEEP_S - 60
-    os.utime(second, (old, old))
-    stamp_file([module], stamps, "s")
-    assert second.is_file()  # kept without prune
-    (stamps / "s.notadigest.sha256").write_text("")
-    os.utime(stamps / "s.notadigest.sha256", (old, old))
-    stamp_file([module], stamps, "s", prune=True)
-    assert not second.is_file() and first.is_file() and (stamps / "s.notadigest.sha256").is_file()
 
 
 def test_a_job_that_ran_other_code_than_its_stamps_record_fails(tmp_path):
@@ -290,6 +280,38 @@ def test_a_job_that_ran_other_code_than_its_stamps_record_fails(tmp_path):
     checked = set()
     verify_loaded_code([code], cache_file=None, checked=checked)  # what a job checked once is not checked again
     verify_loaded_code([edited], cache_file=None, checked=checked)
+
+
+def test_a_process_a_job_spawned_checks_its_code_against_the_jobs_stamps(tmp_path):
+    """A job's first check with ``children`` puts its stamps in the environment; a process it spawns
+    (judging workers, a large file's readers, SGLang's ranks: each calls verify_inherited_code when it
+    starts) checks the code it imported against them and fails on another digest; outside a job it
+    checks nothing."""
+    import subprocess
+    import sys
+
+    from eagledata.codeinputs import JOB_STAMPS_ENV, stamp_file
+    from eagledata.extract import sglang
+    from eagledata.tokens import pershard, planscan
+
+    for entry in (pershard._judge_worker_init, planscan.scan_range, sglang._rank_main):
+        assert "verify_inherited_code()" in inspect.getsource(entry), entry
+    child = "import eagledata.io; from eagledata.codeinputs import verify_inherited_code; verify_inherited_code()"
+    files = [str(PKG / p) for p in ("__init__.py", "io.py", "errors.py", "codeinputs.py")]
+    good = stamp_file(files, tmp_path / "s", "good")
+    bad = tmp_path / "bad.sha256"
+    bad.write_text("".join(("0" * 64 + "  " + line.split("  ", 1)[1] if line.endswith("io.py") else line) + "\n"
+                           for line in good.read_text().splitlines()))
+
+    def spawned(stamps):
+        env = {**os.environ, **({JOB_STAMPS_ENV: json.dumps([str(stamps)])} if stamps else {})}
+        env.pop(JOB_STAMPS_ENV, None) if stamps is None else None
+        return subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True)
+
+    assert spawned(good).returncode == 0
+    failed = spawned(bad)
+    assert failed.returncode != 0 and "CodeChangedError" in failed.stderr and "eagledata.io" in failed.stderr
+    assert spawned(None).returncode == 0
 
 
 def test_a_code_digest_cache_gives_what_the_module_gives(tmp_path):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -265,6 +266,28 @@ def test_a_hugging_face_tokenizers_files_and_code_are_inputs_its_weights_are_not
     (tok / "merges.txt").write_text('{"edited": 1}')
     snakemake(work, "-n")
     assert len(list(stamps.glob("tokens.*.sha256"))) == 2 and stamp.is_file()  # the first is never rewritten
+
+
+def test_a_job_run_elsewhere_declares_the_main_processs_stamps(demo_run, tmp_path):
+    """A job run elsewhere (--executor slurm: `--mode remote`, which parses the workflow again) takes the
+    stamps the main process wrote (EAGLEDATA_STAMPS, an envvar Snakemake passes to jobs), not the code
+    on disk when it starts: code edited since makes it fail its check instead of running unstamped
+    code that the main process would record as the stamped code's; the same code passes."""
+    work = copy_run(demo_run, tmp_path / "w")
+    stamps = {}
+    for path in sorted((work / "results/_code").rglob("*.sha256")):
+        rel = str(path.relative_to(work / "results/_code"))
+        stamps[re.sub(r"\.[0-9a-f]{16}\.sha256$", "", rel)] = str(path.relative_to(work))
+    env = {"EAGLEDATA_STAMPS": json.dumps(stamps)}
+    remote = ("--target-jobs", "validate:dataset=chat", "--allowed-rules", "validate", "--mode", "remote", "--force")
+    module = work / "src/eagledata/validate/summary.py"
+    original = module.read_text()
+    module.write_text(original + "\nEDITED = 1\n")
+    assert snakemake(work, *remote, env=env, check=False).returncode != 0
+    assert "CodeChangedError" in (work / "logs/chat/validate.log").read_text()
+    module.write_text(original)
+    snakemake(work, *remote, env=env)
+    assert "CodeChangedError" not in (work / "logs/chat/validate.log").read_text()
 
 
 def test_a_weight_file_rewritten_in_place_reruns_extraction(demo_run, tmp_path):

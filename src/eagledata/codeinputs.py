@@ -31,7 +31,6 @@ import json
 import os
 import re
 import sys
-import time
 import tokenize
 from functools import lru_cache
 from pathlib import Path
@@ -302,31 +301,23 @@ def stamp_settings(path: str | Path) -> Any:
     return None
 
 
-#: stamps of an earlier content are removed after this long (a job declaring one has long ended)
-STAMP_KEEP_S = 30 * 24 * 3600
-
-
 def stamp_file(paths: list[str | Path], directory: str | Path, name: str, settings: Any = None,
-               built: list[str] = (), cache_file: str | None = None, prune: bool = False) -> Path:
+               built: list[str] = (), cache_file: str | None = None) -> Path:
     """The stamp of ``paths`` (:func:`write_stamp`) as ``directory/{name}.{digest16}.sha256``, written
     unless it exists, and the newest of ``name``'s stamps (a stamp current again after another is
     touched: outputs made with the other are then older than it, even for a Snakemake that reruns on
-    times alone); with ``prune``, the stamps of ``name`` of another content written over
-    :data:`STAMP_KEEP_S` ago are removed."""
+    times alone). Stamps of another content are left: a run still going may declare one (they are a
+    few KB each; remove ``results/_code`` between runs to drop them)."""
     directory = Path(directory)
     lines = _stamp_lines(paths, settings, built, cache_file)
     digest = sha256_text("\n".join(lines))
     out = directory / f"{name}.{digest[:16]}.sha256"
     _write_lines(lines, digest, out)
-    others = [p for p in directory.glob(f"{name}.*.sha256") if p != out and re.fullmatch(r"[0-9a-f]{16}", p.name[len(name) + 1:-7])]
     try:
-        if any(p.stat().st_mtime_ns >= out.stat().st_mtime_ns for p in others):
+        mine = out.stat().st_mtime_ns
+        if any(p != out and re.fullmatch(r"[0-9a-f]{16}", p.name[len(name) + 1:-7]) and p.stat().st_mtime_ns >= mine
+               for p in directory.glob(f"{name}.*.sha256")):
             os.utime(out)
-        if prune:
-            old = time.time() - STAMP_KEEP_S
-            for other in others:
-                if other.stat().st_mtime < old:
-                    other.unlink()
     except OSError:
         pass  # another process removed one
     return out
@@ -384,8 +375,21 @@ def _stamped_modules(stamp: Path, into: dict[str, str]) -> None:
 _VERIFIED: set[str] = set()  # project modules this process has checked against its stamps
 
 
+#: the stamps of the job a process was spawned by (judging workers, readers, SGLang's ranks)
+JOB_STAMPS_ENV = "EAGLEDATA_JOB_STAMPS"
+
+
+def verify_inherited_code(cache_file: str | None = DIGESTS_CACHE) -> None:
+    """In a process a job spawned: :func:`verify_loaded_code` against the job's stamps (the job's first
+    check with ``children`` put them in its environment); nothing elsewhere. Spawned processes import
+    the code on disk when they start, which the job's own check cannot see."""
+    given = os.environ.get(JOB_STAMPS_ENV)
+    if given:
+        verify_loaded_code(json.loads(given), cache_file)
+
+
 def verify_loaded_code(stamps: list[str | Path], cache_file: str | None = DIGESTS_CACHE,
-                       checked: set[str] | None = None) -> None:
+                       checked: set[str] | None = None, children: bool = False) -> None:
     """Raise :class:`CodeChangedError` unless every project module this process has loaded since the
     last call is, by its code (:func:`code_digest` of its file now), the module the ``stamps`` a job
     declared record. A job calls it once its imports are done (its modules' files are then the code it
@@ -394,7 +398,10 @@ def verify_loaded_code(stamps: list[str | Path], cache_file: str | None = DIGEST
     (reverted before the next run) would leave its results recorded as the stamps' code's, and an
     installed package that is not the stamped checkout would run unstamped code. An edit made while
     the job runs is no concern of it: its stamps name the code it loaded, the next run's stamps the
-    new code. ``checked``: the modules checked already (default: this process's)."""
+    new code. ``checked``: the modules checked already (default: this process's). ``children``: the
+    processes this one spawns check themselves against the same stamps (:func:`verify_inherited_code`)."""
+    if children:
+        os.environ[JOB_STAMPS_ENV] = json.dumps([str(s) for s in stamps])
     stamped: dict[str, str] = {}
     for stamp in stamps:
         _stamped_modules(Path(stamp), stamped)

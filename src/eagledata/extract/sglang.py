@@ -40,6 +40,7 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
+from eagledata.codeinputs import verify_inherited_code
 from eagledata.extract.base import ExtractionBackend, ExtractionError, text_config, torch_dtype
 from eagledata.extract.layers import resolve_layers
 from eagledata.extract.norm import FinalNorm, final_norm_of
@@ -240,6 +241,7 @@ def _rank_main(rank: int, server_kwargs: dict[str, Any], port_args: Any, layers:
     then serve ``("extend", batch, dtype)`` until ``None``. Rank 0 puts results (or the error
     text) on ``outbox``."""
     try:
+        verify_inherited_code()  # a spawned rank imports the code on disk now: the job's stamps' code?
         state = _RankState(server_kwargs, port_args, rank, layers)
         outbox.put(("ready", (rank, state.final_norm)))
         while True:

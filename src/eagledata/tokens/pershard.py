@@ -57,6 +57,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import polars as pl
 
+from eagledata.codeinputs import verify_inherited_code
 from eagledata.errors import StageError
 from eagledata.io import atomic_path, atomic_write_json, line_digest, loads_json, replace_unless_same, sha256_file
 from eagledata.text.families import ModelFamily
@@ -465,6 +466,7 @@ _WORKER_ARGS: tuple = ()
 
 def _judge_worker_init(*args: Any) -> None:
     global _WORKER_ARGS
+    verify_inherited_code()  # a spawned worker imports the code on disk now: the job's stamps' code?
     _WORKER_ARGS = args
 
 

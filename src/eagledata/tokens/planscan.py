@@ -27,6 +27,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
+from eagledata.codeinputs import verify_inherited_code
 from eagledata.io import (BLANK_LINE, ResponsesFileError, iter_lines_at, json_line_value, line_digest, open_lines,
                           sha256_file)
 from eagledata.tokens.planfile import plan_processes
@@ -97,6 +98,7 @@ def scan_range(path: str, start: int, end: int, out: str) -> tuple[int, tuple[in
     record (``json(id or null) TAB line in the range TAB offset TAB length TAB digest``). Returns the
     number of lines read and, for a bad record, ``(its line in the range, the error's message)``
     (the range is not read further)."""
+    verify_inherited_code()  # a spawned reader imports the code on disk now: the job's stamps' code?
     lines = 0
     with open_lines(path) as src, open(out, "w", encoding="utf-8") as fh:
         for lines, offset, raw in iter_lines_at(src, start, end):
