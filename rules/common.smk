@@ -68,7 +68,8 @@ def code_of(script, *data, shell=False):
         name = f"{name}+{hashlib.sha256(chr(0).join(data).encode('utf-8')).hexdigest()[:8]}"
     if name not in CODE_STAMPS:
         CODE_STAMPS[name] = ALL_STAMPS[f"scripts/{name}"] = _GIVEN_STAMPS.get(f"scripts/{name}") or str(
-            stamp_file(code_files(script, *data, shell=shell), f"{STAMPS}/scripts", name, cache_file=_DIGESTS))
+            stamp_file(code_files(script, *data, shell=shell), f"{STAMPS}/scripts", name, cache_file=_DIGESTS,
+                       base=WORKFLOW_DIR))
     return [CODE_STAMPS[name]]
 
 

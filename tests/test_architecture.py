@@ -255,6 +255,25 @@ def test_stamps_are_named_by_their_content_and_never_rewritten(tmp_path):
     assert stamp_file([module], stamps, "s", settings={"k": 1}) not in (first, second)
 
 
+def test_a_stamp_is_the_same_from_any_working_directory(tmp_path, monkeypatch):
+    """Files inside the workflow's directory (``base``) are named relative to it, so the same code gives
+    the same stamp (and extraction the same code fingerprint) whether Snakemake runs in the workflow's
+    directory or elsewhere (``snakemake -s .../Snakefile --directory run``: absolute paths)."""
+    from eagledata.codeinputs import stamp_file
+
+    flow, run = tmp_path / "flow", tmp_path / "run"
+    (flow / "src" / "eagledata").mkdir(parents=True)
+    run.mkdir()
+    (flow / "src" / "eagledata" / "io.py").write_text("x = 1\n")
+    monkeypatch.chdir(flow)
+    here = stamp_file(["src/eagledata/io.py"], tmp_path / "a", "s", base=flow)
+    monkeypatch.chdir(run)
+    there = stamp_file([str(flow / "src/eagledata/io.py")], tmp_path / "b", "s", base=flow)
+    assert here.name == there.name and here.read_text() == there.read_text()
+    assert "  src/eagledata/io.py\n" in here.read_text()
+    assert stamp_file([str(flow / "src/eagledata/io.py")], tmp_path / "c", "s").name != here.name  # no base: as given
+
+
 def test_a_job_that_ran_other_code_than_its_stamps_record_fails(tmp_path):
     """verify_loaded_code: every project module loaded in this process must be, by its code, the one the
     stamps record (a stage stamp's code stamps followed); another digest, or a loaded module no stamp

@@ -280,17 +280,27 @@ def _docstring_spans(text: str, lines: list[str], starts: list[int]) -> list[tup
     return spans
 
 
-def stamp_lines(paths: list[str | Path], cache_file: str | None = None) -> list[str]:
+def stamp_lines(paths: list[str | Path], cache_file: str | None = None, base: str | Path | None = None) -> list[str]:
     """``digest  path`` of every file in ``paths`` (:func:`code_digest`), a directory standing for
     every file under it (walked in sorted order); the paths as given, so the stamp reads like the
-    rule's inputs."""
+    rule's inputs, but relative to ``base`` (the workflow's directory) for a file inside it, so the
+    same code gives the same stamp from any working directory (``snakemake --directory``)."""
     lines = []
     for given in paths:
         path = Path(given)
         files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
         for f in files:
-            lines.append(f"{code_digest(f, cache_file)}  {f if f == path else Path(given) / f.relative_to(path)}")
+            lines.append(f"{code_digest(f, cache_file)}  {_label(f if f == path else Path(given) / f.relative_to(path), base)}")
     return lines
+
+
+def _label(path: Path, base: str | Path | None) -> str:
+    if base is not None:
+        try:
+            return str(path.resolve().relative_to(Path(base).resolve()))
+        except ValueError:
+            pass
+    return str(path)
 
 
 def stamp_settings(path: str | Path) -> Any:
@@ -302,14 +312,14 @@ def stamp_settings(path: str | Path) -> Any:
 
 
 def stamp_file(paths: list[str | Path], directory: str | Path, name: str, settings: Any = None,
-               built: list[str] = (), cache_file: str | None = None) -> Path:
+               built: list[str] = (), cache_file: str | None = None, base: str | Path | None = None) -> Path:
     """The stamp of ``paths`` (:func:`write_stamp`) as ``directory/{name}.{digest16}.sha256``, written
     unless it exists, and the newest of ``name``'s stamps (a stamp current again after another is
     touched: outputs made with the other are then older than it, even for a Snakemake that reruns on
     times alone). Stamps of another content are left: a run still going may declare one (they are a
-    few KB each; remove ``results/_code`` between runs to drop them)."""
+    few KB each; remove ``results/_code`` between runs to drop them). ``base``: :func:`stamp_lines`'."""
     directory = Path(directory)
-    lines = _stamp_lines(paths, settings, built, cache_file)
+    lines = _stamp_lines(paths, settings, built, cache_file, base)
     digest = sha256_text("\n".join(lines))
     out = directory / f"{name}.{digest[:16]}.sha256"
     _write_lines(lines, digest, out)
@@ -336,8 +346,9 @@ def write_stamp(paths: list[str | Path], out: str | Path, settings: Any = None, 
     return digest
 
 
-def _stamp_lines(paths: list[str | Path], settings: Any, built: list[str], cache_file: str | None) -> list[str]:
-    lines = stamp_lines(paths, cache_file) + [f"built  {path}" for path in built]
+def _stamp_lines(paths: list[str | Path], settings: Any, built: list[str], cache_file: str | None,
+                 base: str | Path | None = None) -> list[str]:
+    lines = stamp_lines(paths, cache_file, base) + [f"built  {path}" for path in built]
     _save_cache(cache_file)
     if settings is not None:
         lines.append(f"settings {json.dumps(settings, sort_keys=True, ensure_ascii=False)}")
