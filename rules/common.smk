@@ -5,7 +5,7 @@ import os
 import re
 from pathlib import Path
 
-from eagledata.codeinputs import package_dir_for, stage_code, stamp_file
+from eagledata.codeinputs import DIGESTS_CACHE, package_dir_for, stage_code, stamp_file
 from eagledata.config import dataset_settings, validate_config
 from eagledata.extract.limits import length_limit
 from eagledata.extract.weights import model_files
@@ -45,7 +45,6 @@ STAMPS = f"{RESULTS}/_code"
 ALL_STAMPS = {}  # "scripts/{name}" or "datasets/{dataset}/{name}" -> its stamp file
 _GIVEN_STAMPS = {} if workflow.is_main_process else json.loads(os.environ.get("EAGLEDATA_STAMPS") or "{}")
 CODE_STAMPS = {}  # stamp name -> its file
-_DIGESTS = ".snakemake/eagledata/digests.json"  # code digests by content (eagledata.codeinputs.code_digest)
 
 
 def code_files(script, *data, shell=False):
@@ -68,7 +67,7 @@ def code_of(script, *data, shell=False):
         name = f"{name}+{hashlib.sha256(chr(0).join(data).encode('utf-8')).hexdigest()[:8]}"
     if name not in CODE_STAMPS:
         CODE_STAMPS[name] = ALL_STAMPS[f"scripts/{name}"] = _GIVEN_STAMPS.get(f"scripts/{name}") or str(
-            stamp_file(code_files(script, *data, shell=shell), f"{STAMPS}/scripts", name, cache_file=_DIGESTS,
+            stamp_file(code_files(script, *data, shell=shell), f"{STAMPS}/scripts", name, cache_file=DIGESTS_CACHE,
                        base=WORKFLOW_DIR))
     return [CODE_STAMPS[name]]
 
@@ -134,7 +133,7 @@ def stage_stamp(name, *scripts):
         files = tokenizer_files(config["datasets"][dataset]["model"])
         stamps[dataset] = ALL_STAMPS[key] = _GIVEN_STAMPS.get(key) or str(
             stamp_file(code + [f for f in files if not _built(f)], f"{STAMPS}/datasets/{dataset}", name,
-                       settings=tokenizer_settings(dataset), built=[f for f in files if _built(f)], cache_file=_DIGESTS))
+                       settings=tokenizer_settings(dataset), built=[f for f in files if _built(f)], cache_file=DIGESTS_CACHE))
     return lambda wildcards: stamps[wildcards.dataset]
 
 
