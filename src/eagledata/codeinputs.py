@@ -285,19 +285,20 @@ def stamp_lines(paths: list[str | Path], cache_file: str | None = None, base: st
     every file under it (walked in sorted order); the paths as given, so the stamp reads like the
     rule's inputs, but relative to ``base`` (the workflow's directory) for a file inside it, so the
     same code gives the same stamp from any working directory (``snakemake --directory``)."""
+    root = Path(base).resolve() if base is not None else None
     lines = []
     for given in paths:
         path = Path(given)
         files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
         for f in files:
-            lines.append(f"{code_digest(f, cache_file)}  {_label(f if f == path else Path(given) / f.relative_to(path), base)}")
+            lines.append(f"{code_digest(f, cache_file)}  {_label(f if f == path else Path(given) / f.relative_to(path), root)}")
     return lines
 
 
-def _label(path: Path, base: str | Path | None) -> str:
-    if base is not None:
+def _label(path: Path, root: Path | None) -> str:
+    if root is not None:
         try:
-            return str(path.resolve().relative_to(Path(base).resolve()))
+            return str(path.resolve().relative_to(root))
         except ValueError:
             pass
     return str(path)
@@ -416,12 +417,12 @@ def verify_loaded_code(stamps: list[str | Path], cache_file: str | None = DIGEST
     stamped: dict[str, str] = {}
     for stamp in stamps:
         _stamped_modules(Path(stamp), stamped)
+    seen = _VERIFIED if checked is None else checked
     changed = []
     for name, module in sorted(sys.modules.items()):
         path = getattr(module, "__file__", None)
-        if (name == PACKAGE or name.startswith(PACKAGE + ".")) and path and path.endswith(".py") \
-                and name not in (_VERIFIED if checked is None else checked):
-            (_VERIFIED if checked is None else checked).add(name)
+        if (name == PACKAGE or name.startswith(PACKAGE + ".")) and path and path.endswith(".py") and name not in seen:
+            seen.add(name)
             want = stamped.get(name)
             if want is None:
                 changed.append(f"{name} ({path}: in no stamp)")

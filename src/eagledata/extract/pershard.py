@@ -116,12 +116,14 @@ def sidecar_of(shard: Path) -> Path:
     return shard.with_suffix(".json")
 
 
-def stored_record(run: DatasetRun, dst: Path, source_sha256: str, source: Path | None = None) -> dict[str, Any] | None:
+def stored_record(run: DatasetRun, dst: Path, source_sha256: str, source: Path | None = None, *,
+                  keys: dict[str, str] | None = None) -> dict[str, Any] | None:
     """The record of ``dst`` when the store holds a finished shard for exactly this source (the token
     shard ``source``) and these settings, model and code (header on :data:`RESUME_KEYS`, sidecar naming
-    this very file: size and mtime), else ``None``."""
+    this very file: size and mtime), else ``None``. ``keys``: ``run.resume_keys(source_sha256, source)``
+    when the caller has them (they may read the source)."""
     meta = read_shard_metadata(dst) if dst.is_file() else None
-    if meta is None or not resumable(meta, run.resume_keys(source_sha256, source)):
+    if meta is None or not resumable(meta, keys or run.resume_keys(source_sha256, source)):
         return None
     try:
         record = json.loads(sidecar_of(dst).read_text(encoding="utf-8"))
@@ -133,15 +135,17 @@ def stored_record(run: DatasetRun, dst: Path, source_sha256: str, source: Path |
     return record
 
 
-def sibling_record(run: DatasetRun, dst: Path, source_sha256: str, source: Path | None = None) -> dict[str, Any] | None:
+def sibling_record(run: DatasetRun, dst: Path, source_sha256: str, source: Path | None = None, *,
+                   keys: dict[str, str] | None = None) -> dict[str, Any] | None:
     """The record of the same hidden shard found in another dataset's store (``results/*/hidden.store``:
     a renamed or copied dataset, shard names being content names) for exactly this source, settings,
     model and code (:func:`stored_record`), hard-linked with its sidecar into ``dst``'s store (copied,
     mtimes kept, across file systems); ``None`` when no store holds one. Safe to share: every write
     to a store replaces a file (write and rename), none writes into one, and a store's pruning only
-    unlinks its own names."""
+    unlinks its own names. ``keys``: as :func:`stored_record`'s."""
+    keys = keys or run.resume_keys(source_sha256, source)
     for other in sorted(dst.parent.parent.parent.glob(f"*/{dst.parent.name}/{dst.name}")):
-        if other.parent.resolve() == dst.parent.resolve() or stored_record(run, other, source_sha256, source) is None:
+        if other.parent.resolve() == dst.parent.resolve() or stored_record(run, other, source_sha256, keys=keys) is None:
             continue
         try:
             link_file(sidecar_of(other), sidecar_of(dst))
@@ -149,7 +153,7 @@ def sibling_record(run: DatasetRun, dst: Path, source_sha256: str, source: Path 
         except OSError as exc:  # pruned meanwhile by that dataset's gather
             log.info("%s: could not take %s (%s)", dst, other, exc)
             continue
-        record = stored_record(run, dst, source_sha256, source)
+        record = stored_record(run, dst, source_sha256, keys=keys)
         if record is not None:
             log.info("%s: taken from %s (same source sha256, settings, model and code)", dst, other.parent)
             return record
@@ -189,11 +193,12 @@ def extract_keyed_shard(plan_path: str | Path, key: str, source: str | Path, sto
                        store)
     dst = store / output_name(entry["file"])
     _clear_tmp(dst)
-    record = stored_record(run, dst, entry["sha256"], src)
+    keys = run.resume_keys(entry["sha256"], src)  # read the source once (its lengths, with a length limit)
+    record = stored_record(run, dst, entry["sha256"], keys=keys)
     if record is not None:
         log.info("%s: in the store already (same source sha256, settings, model and code): kept untouched", dst)
     else:
-        record = sibling_record(run, dst, entry["sha256"], src)
+        record = sibling_record(run, dst, entry["sha256"], keys=keys)
     if record is not None:
         if verify is not None:
             verify()
