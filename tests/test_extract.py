@@ -301,6 +301,33 @@ def test_resume_skips_finished_shards(tmp_path, token_rows, weights, model, monk
     assert load_file(files[0])["hidden_state"].dtype == torch.float16
 
 
+def test_compute_dtype_spelled_as_the_checkpoints_own_resumes(tmp_path, token_rows, weights, model, monkeypatch):
+    """compute_dtype "auto" computes in the dtype the checkpoint declares (Hugging Face's rule): writing
+    that dtype out, or going back to auto, keeps every shard; another compute dtype re-extracts."""
+    tokens = write_tokens(tmp_path / "tokens", token_rows)
+    out = tmp_path / "hidden"
+    assert json.loads((Path(weights) / "config.json").read_text())["dtype"] == "float32"
+    ex.extract_dataset(tokens, out, weights, dtype="float32", device="cpu", model=model)
+    mtimes = {p.name: p.stat().st_mtime_ns for p in out.glob("*.safetensors")}
+
+    def boom(*a, **k):
+        raise AssertionError("model loaded although every shard was done")
+
+    with monkeypatch.context() as m:
+        m.setattr(ex, "load_model", boom)
+        m.setattr(ex, "extract_shard", boom)
+        spelled = ex.extract_dataset(tokens, out, weights, dtype="float32", compute_dtype="float32", device="cpu")
+        assert all(s.get("resumed") for s in spelled["shards"]) and spelled["compute_dtype"] == "float32"
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.safetensors")} == mtimes
+    ex.extract_dataset(tokens, out, weights, dtype="float32", compute_dtype="bfloat16", device="cpu")
+    changed = {p.name: p.stat().st_mtime_ns for p in out.glob("*.safetensors")}
+    assert all(changed[name] != mtime for name, mtime in mtimes.items())
+    with monkeypatch.context() as m:  # written as bfloat16: auto (float32 here) is another computation
+        m.setattr(ex, "load_model", lambda *a, **k: model)
+        again = ex.extract_dataset(tokens, out, weights, dtype="float32", device="cpu")
+        assert not any(s.get("resumed") for s in again["shards"])
+
+
 def test_work_dir_published(tmp_path, token_rows, weights, model):
     tokens = write_tokens(tmp_path / "tokens", [token_rows[1][:3]])
     out, work = tmp_path / "hidden", tmp_path / ".hidden.partial"

@@ -66,6 +66,8 @@ from eagledata.extract.base import (
     STORED_DTYPES,
     ExtractionBackend,
     ExtractionError,
+    declared_dtype,
+    model_config,
     refuse_final_norm_setting,
     text_config,
     torch_dtype,
@@ -375,13 +377,25 @@ class DatasetRun:
     on_long: str = "truncate"
     code_fp: str = ""
     backend_args: str = ""  # the backend's output-shaping arguments (canonical JSON; "" for none)
+    # the dtype the checkpoint declares, when the backend computes in it with compute_dtype "auto"
+    # (Hugging Face's); None when not known that way
+    auto_dtype: str | None = None
 
-    def resume_keys(self, source_sha256: str, source: str | Path | None = None) -> dict[str, str]:
+    def same_compute(self) -> str | frozenset[str]:
+        """The ``compute_dtype`` values of a stored shard computed as this run computes: this run's,
+        and with :attr:`auto_dtype` both ``auto`` and that dtype when this run's is either (written
+        either way, the same forward: a setting spelled out must not re-extract)."""
+        if self.auto_dtype and self.compute_dtype in ("auto", self.auto_dtype):
+            return frozenset({"auto", self.auto_dtype})
+        return self.compute_dtype
+
+    def resume_keys(self, source_sha256: str, source: str | Path | None = None) -> dict[str, str | frozenset[str]]:
         """The metadata an existing output shard of token shard ``source`` (its lengths decide whether
-        the length limit acts on it: read only when there is one) must carry to be kept (:data:`RESUME_KEYS`)."""
+        the length limit acts on it: read only when there is one) must carry to be kept (:data:`RESUME_KEYS`;
+        a set: any of its values)."""
         lengths = train_lengths(source) if self.max_seq_len is not None and source is not None else None
         values = {"format": FORMAT, "layers": json.dumps(self.layers),
-                  "dtype": self.dtype, "compute_dtype": self.compute_dtype, "model_fingerprint": self.model_fp,
+                  "dtype": self.dtype, "compute_dtype": self.same_compute(), "model_fingerprint": self.model_fp,
                   "source_sha256": source_sha256, "length_limit": limit_key(self.max_seq_len, self.on_long, lengths),
                   "code_fingerprint": self.code_fp, "backend": self.backend, "backend_args": self.backend_args}
         return {k: values[k] for k in RESUME_KEYS}
@@ -434,12 +448,13 @@ def resolve_run(tokens_dir: str | Path, target: str | Path, weights: str | Path,
     refuse_final_norm_setting(final_norm)
     check_settings(backend, dtype, compute_dtype, batch_tokens)
     check_limit(max_seq_len, on_long)
-    cfg = text_config(weights)
+    top = model_config(weights)
+    cfg = text_config(weights, top)
     num_layers = int(cfg.num_hidden_layers)
     return DatasetRun(Path(tokens_dir), Path(target), weights, tokens_manifest, resolve_layers(layers, num_layers),
                       dtype, compute_dtype, backend, num_layers, int(cfg.hidden_size), model_fingerprint(weights),
                       str(tokens_manifest.get("tokenizer_fingerprint", "")), max_seq_len, on_long, code_fingerprint,
-                      backend_args)
+                      backend_args, auto_dtype=declared_dtype(top) if backend == "hf" else None)
 
 
 def code_fingerprint(files: Iterable[str | Path]) -> str:

@@ -117,7 +117,7 @@ def sidecar_of(shard: Path) -> Path:
 
 
 def stored_record(run: DatasetRun, dst: Path, source_sha256: str, source: Path | None = None, *,
-                  keys: dict[str, str] | None = None) -> dict[str, Any] | None:
+                  keys: Mapping[str, str | frozenset[str]] | None = None) -> dict[str, Any] | None:
     """The record of ``dst`` when the store holds a finished shard for exactly this source (the token
     shard ``source``) and these settings, model and code (header on :data:`RESUME_KEYS`, sidecar naming
     this very file: size and mtime), else ``None``. ``keys``: ``run.resume_keys(source_sha256, source)``
@@ -136,7 +136,7 @@ def stored_record(run: DatasetRun, dst: Path, source_sha256: str, source: Path |
 
 
 def sibling_record(run: DatasetRun, dst: Path, source_sha256: str, source: Path | None = None, *,
-                   keys: dict[str, str] | None = None) -> dict[str, Any] | None:
+                   keys: Mapping[str, str | frozenset[str]] | None = None) -> dict[str, Any] | None:
     """The record of the same hidden shard found in another dataset's store (``results/*/hidden.store``:
     a renamed or copied dataset, shard names being content names) for exactly this source, settings,
     model and code (:func:`stored_record`), hard-linked with its sidecar into ``dst``'s store (copied,

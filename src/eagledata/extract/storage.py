@@ -26,7 +26,7 @@ import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from eagledata.extract.base import ExtractionError
 from eagledata.io import atomic_path, atomic_write_json, sha256_file
@@ -196,10 +196,11 @@ RESUME_KEYS = ("format", "source_sha256", "layers", "dtype", "compute_dtype", "m
                "code_fingerprint", "backend", "backend_args")
 
 
-def resumable(meta: dict[str, str], keys: dict[str, str]) -> bool:
-    """Whether a stored shard's header ``meta`` carries the resume ``keys``' values; a key the header
-    lacks reads as empty (``backend_args`` is written only when there are any)."""
-    return all(meta.get(k, "") == v for k, v in keys.items())
+def resumable(meta: dict[str, str], keys: Mapping[str, str | frozenset[str]]) -> bool:
+    """Whether a stored shard's header ``meta`` carries the resume ``keys``' values (a key's set of
+    values: one of them); a key the header lacks reads as empty (``backend_args`` is written only
+    when there are any)."""
+    return all(meta.get(k, "") in v if isinstance(v, frozenset) else meta.get(k, "") == v for k, v in keys.items())
 
 
 def shard_specs(n_tokens: int, n_samples: int, n_layers: int, hidden: int, dtype: str) -> list[tuple[str, str, tuple[int, ...]]]:
