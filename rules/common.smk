@@ -263,7 +263,7 @@ def generate_tokenizer(wildcards):
 
 # Extraction's per-shard input functions (rules/extract.smk, eagledata.extract.pershard): the checkpoint
 # extract_plan maps each stable shard key to its content-named token shard.
-from eagledata.extract.plan import plan_sources
+from eagledata.extract.plan import plan_sources, shard_length_limit
 
 
 def extract_plan_sources(wildcards):
@@ -274,6 +274,14 @@ def extract_plan_sources(wildcards):
 def extract_shard_source(wildcards):
     """The token shard (in tokens.store, content-named) the job of shard key `wildcards.shard` extracts."""
     return extract_plan_sources(wildcards)[wildcards.shard]
+
+
+def extract_shard_limit(wildcards):
+    """The dataset's length limit (LENGTH_LIMITS, rules/extract.smk) as it acts on shard `wildcards.shard`:
+    none when its longest train sample fits, so a limit that acts on no sample of a shard, added,
+    raised or removed, reruns none of its job (its stored hidden shard's resume key counts it so too)."""
+    plan = checkpoints.extract_plan.get(dataset=wildcards.dataset).output.plan
+    return shard_length_limit(plan, wildcards.shard, LENGTH_LIMITS[wildcards.dataset])
 
 
 def extract_shard_records(wildcards):

@@ -14,9 +14,10 @@ if "final_norm" in config["extraction"]:
     )
 
 
-# each dataset's extraction.max_seq_len / on_long, as they decide anything (eagledata.extract.limits): a rule
-# param, so a change reruns its extraction jobs; each keeps its stored shard when no sample of it exceeds
-# either limit (the shard's resume key, eagledata.extract.core.limit_key)
+# each dataset's extraction.max_seq_len / on_long, as they decide anything (eagledata.extract.limits): a param
+# of the gather, and of each shard job as it acts on that shard (extract_shard_limit: none when the shard's
+# longest train sample fits), so a change reruns the shard jobs it acts on, before or after; a shard job
+# keeps its stored shard when no sample of it exceeds either limit (the resume key, eagledata.extract.core.limit_key)
 LENGTH_LIMITS = {
     name: length_limit((d.get("extraction") or {}).get("max_seq_len"), (d.get("extraction") or {}).get("on_long", "truncate"))
     for name, d in config["datasets"].items()
@@ -90,7 +91,7 @@ rule extract_shard:
         backend=config["extraction"]["backend"],
         # SGLang's server arguments shape the states (quantization, KV-cache dtype...): a resume key too
         sglang_server_args=canonical(config["extraction"].get("sglang_server_args") or {}),
-        length_limit=lambda wc: LENGTH_LIMITS[wc.dataset],
+        length_limit=extract_shard_limit,
         # read, not an input: the plan is rewritten whenever any shard changes
         plan=f"{HIDDEN_WORK}/plan.json",
         store=HIDDEN_STORE,

@@ -4,7 +4,8 @@ snakemake runs of the demo (stand-in responses, the tiny random DeepSeek-V3 on C
 * one new prompt at the top, in the middle or at the end re-extracts only the shard holding it: every
   other hidden shard keeps its sha256 and mtime, and the dry run plans one extract_shard job (the three
   places tried side by side, each on its own copy of one finished run); an edit of comments and a
-  docstring in the extraction code re-extracts nothing (a fourth copy);
+  docstring in the extraction code re-extracts nothing (a fourth copy); a length limit plans the jobs
+  of the shards it acts on and no other (a fifth);
 * with 8 simulated GPUs and 16 shards at one GPU per job, 8 extract jobs hold a device at once and
   no device is ever held by two jobs (--resources gpu=8), and a failed shard job is the only one
   redone (one run for both).
@@ -121,6 +122,38 @@ def _edit_comments(work: Path, where: str, new_id: str) -> None:
     assert _records(work) == records_before
 
 
+def _set_length_limit(work: Path, max_seq_len: int) -> None:
+    config = yaml.safe_load((work / "config/config.yaml").read_text())
+    config["datasets"]["ds"]["extraction"] = {"max_seq_len": max_seq_len}
+    (work / "config/config.yaml").write_text(yaml.safe_dump(config))
+
+
+def _length_limits(work: Path, where: str, new_id: str) -> None:
+    """A length limit above every sample (a safety cap) plans no shard job (only the gather, which
+    records the limit), and keeps every hidden shard; one below the longest shard's longest sample
+    but above every other shard's plans that shard's job alone, which re-extracts it (``where``/
+    ``new_id``: unused)."""
+    before, records_before = _store(work), _records(work)
+    longest = {s["key"]: s["longest_train"] for s in json.loads((work / PLAN).read_text())["shards"]}
+    top, *others = sorted(longest.values(), reverse=True)
+    assert others and top > others[0], longest  # the demo's: one shard holds the longest sample alone
+    _set_length_limit(work, 100_000)
+    assert planned_jobs(work, HIDDEN) == {"extract": 1}
+    snakemake(work, HIDDEN, *ONE_THREAD)
+    assert _store(work) == before and _records(work) == records_before
+    _set_length_limit(work, top - 1)
+    assert planned_jobs(work, HIDDEN) == {"extract_shard": 1, "extract": 1}
+    snakemake(work, HIDDEN, *ONE_THREAD)
+    after, records = _store(work), _records(work)
+    (cut,) = [k for k, n in longest.items() if n == top]
+    cut_file = records[cut]["file"]  # named after its token shard: the same name, new bytes
+    assert after[cut_file] != before[cut_file] and not records[cut]["resumed"]
+    assert {k: r for k, r in records.items() if k != cut} == {k: r for k, r in records_before.items() if k != cut}
+    assert all(after[n] == before[n] for n in before if n != cut_file)
+    manifest = json.loads((work / HIDDEN / "manifest.json").read_text())
+    assert manifest["length_limit"]["truncated"] >= 1
+
+
 def test_one_new_prompt_reextracts_only_the_shard_holding_it(demo_run, tmp_path):
     work = copy_run(demo_run, tmp_path / "w")
     prompts = work / "data" / "chat.jsonl"
@@ -139,8 +172,8 @@ def test_one_new_prompt_reextracts_only_the_shard_holding_it(demo_run, tmp_path)
     assert at["top"] == 0 < at["middle"] < at["end"] == len(keys) - 1, at
     # each place on its own copy of the finished run (copy_run keeps mtimes: nothing out of date), side
     # by side: the runs are chains of one-process jobs, so three of them keep both cores busy
-    copies = {where: copy_run(work, tmp_path / where) for where in [*new_ids, "comments"]}
-    steps = {**{where: _add_one_prompt for where in new_ids}, "comments": _edit_comments}
+    copies = {where: copy_run(work, tmp_path / where) for where in [*new_ids, "comments", "limits"]}
+    steps = {**{where: _add_one_prompt for where in new_ids}, "comments": _edit_comments, "limits": _length_limits}
     with ThreadPoolExecutor(len(copies)) as pool:
         list(pool.map(lambda where: steps[where](copies[where], where, new_ids.get(where, "")), copies))
 

@@ -430,8 +430,10 @@ def judge_shard(part_path: str | Path, learned: Mapping[str, Any], store_dir: st
     finally:
         tmp.unlink(missing_ok=True)
     ids = df["id"]
+    train = df.filter(pl.col("train"))
+    longest = int((train["prompt_len"] + train["completion_len"]).max() or 0) if train.height else 0
     return {"file": dest.name, "rows": df.height, "sha256": sha, "first_id": ids[0] if df.height else None,
-            "last_id": ids[-1] if df.height else None, "kept": kept,
+            "last_id": ids[-1] if df.height else None, "longest_train": longest, "kept": kept,
             "transformations_seen": seen}
 
 
@@ -514,7 +516,9 @@ def _write_manifest(plan: Mapping[str, Any], learned: dict[str, Any], entries: S
         conventions[provider]["reasoning_count"] = r
     for provider, v in report.variants.items():
         conventions[provider]["prompt_rendering"] = v
-    shards = [{k: e[k] for k in ("file", "rows", "sha256", "first_id", "last_id")} for e in entries]
+    # longest_train: the longest train sample (prompt + completion tokens; 0 for none): the extraction's
+    # length limit acts on the shard only above it (eagledata.extract.plan)
+    shards = [{k: e[k] for k in ("file", "rows", "sha256", "first_id", "last_id", "longest_train")} for e in entries]
     for s in shards:
         publish_shard(store / s["file"], out / s["file"], s["sha256"])
     admitted = resolve_policy(policy)
