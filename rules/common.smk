@@ -8,7 +8,7 @@ from pathlib import Path
 from eagledata.codeinputs import DIGESTS_CACHE, package_dir_for, stage_code, stamp_file
 from eagledata.config import dataset_settings, validate_config
 from eagledata.extract.limits import length_limit
-from eagledata.extract.weights import model_files
+from eagledata.extract.weights import compute_setting, model_files
 from eagledata.generate.prompts import canonical
 from eagledata.generate.requests import TOKENIZER_IDENTITY
 from eagledata.generate.ruleinputs import GenerateRuleInputs
@@ -147,6 +147,14 @@ def weights_input(wildcards):
     if not weights:
         raise ValueError(f"dataset {wildcards.dataset}: model has no 'weights' for extraction")
     return weights
+
+
+def extract_compute_dtype(wildcards):
+    """extraction.compute_dtype as it decides the forward (a rule param): with the hf backend, the dtype
+    the checkpoint declares reads as auto (what HF's auto loads), so writing it out reruns no job (the
+    stored shards' resume key counts both as one too: eagledata.extract.core)."""
+    ext = config["extraction"]
+    return compute_setting(ext["compute_dtype"], ext["backend"], weights_input(wildcards))
 
 
 _WEIGHT_FILES = {}  # weights directory -> its files (listed once per Snakemake process)

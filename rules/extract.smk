@@ -87,7 +87,7 @@ rule extract_shard:
         # what the shards contain: a change reruns extraction (device, batch size, GPUs do not)
         layers=config["extraction"]["layers"],
         dtype=config["extraction"]["dtype"],
-        compute_dtype=config["extraction"]["compute_dtype"],
+        compute_dtype=extract_compute_dtype,
         backend=config["extraction"]["backend"],
         # SGLang's server arguments shape the states (quantization, KV-cache dtype...): a resume key too
         sglang_server_args=canonical(config["extraction"].get("sglang_server_args") or {}),

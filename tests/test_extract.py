@@ -1121,3 +1121,18 @@ def test_a_large_models_files_count_by_content_read_once_per_version(tmp_path, m
     # a cache that cannot be used (here a file where its directory should be): the files are read
     (tmp_path / "not-a-dir").write_text("")
     assert w.model_fingerprint(copy, full_hash_limit=1024, cache=tmp_path / "not-a-dir") == first
+
+
+def test_compute_setting_reads_the_declared_dtype_as_auto_for_hf_only(tmp_path):
+    from eagledata.extract.weights import compute_setting
+
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new/config.json").write_text(json.dumps({"dtype": "bfloat16"}))
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old/config.json").write_text(json.dumps({"torch_dtype": "float16"}))
+    assert compute_setting("bfloat16", "hf", tmp_path / "new") == "auto"
+    assert compute_setting("float16", "hf", tmp_path / "old") == "auto"
+    assert compute_setting("float32", "hf", tmp_path / "new") == "float32"
+    assert compute_setting("bfloat16", "sglang", tmp_path / "new") == "bfloat16"  # SGLang's auto is its own
+    assert compute_setting("bfloat16", "hf", tmp_path / "missing") == "bfloat16"  # not built yet: as given
+    assert compute_setting("auto", "hf", tmp_path / "new") == "auto"

@@ -5,7 +5,8 @@ snakemake runs of the demo (stand-in responses, the tiny random DeepSeek-V3 on C
   other hidden shard keeps its sha256 and mtime, and the dry run plans one extract_shard job (the three
   places tried side by side, each on its own copy of one finished run); an edit of comments and a
   docstring in the extraction code re-extracts nothing (a fourth copy); a length limit plans the jobs
-  of the shards it acts on and no other (a fifth);
+  of the shards it acts on and no other (a fifth); compute_dtype written as the model's own dtype plans
+  none (a sixth);
 * with 8 simulated GPUs and 16 shards at one GPU per job, 8 extract jobs hold a device at once and
   no device is ever held by two jobs (--resources gpu=8), and a failed shard job is the only one
   redone (one run for both).
@@ -154,6 +155,22 @@ def _length_limits(work: Path, where: str, new_id: str) -> None:
     assert manifest["length_limit"]["truncated"] >= 1
 
 
+def _compute_dtype(work: Path, where: str, new_id: str) -> None:
+    """compute_dtype written out as the dtype the demo model declares (what auto loads) plans no shard
+    job and keeps every hidden shard; another dtype plans every shard's job (``where``/``new_id``: unused)."""
+    before, records_before = _store(work), _records(work)
+    declared = json.loads((work / "results/_assets/demo-model/config.json").read_text())["dtype"]
+    config = yaml.safe_load((work / "config/config.yaml").read_text())
+    assert config["extraction"].get("backend", "hf") == "hf" and config["extraction"].get("compute_dtype", "auto") == "auto"
+    for dtype, jobs in ((declared, {"extract": 1}), ("bfloat16", {"extract_shard": len(before), "extract": 1})):
+        config["extraction"]["compute_dtype"] = dtype
+        (work / "config/config.yaml").write_text(yaml.safe_dump(config))
+        assert planned_jobs(work, HIDDEN) == jobs, dtype
+        if dtype == declared:
+            snakemake(work, HIDDEN, *ONE_THREAD)
+            assert _store(work) == before and _records(work) == records_before
+
+
 def test_one_new_prompt_reextracts_only_the_shard_holding_it(demo_run, tmp_path):
     work = copy_run(demo_run, tmp_path / "w")
     prompts = work / "data" / "chat.jsonl"
@@ -172,8 +189,9 @@ def test_one_new_prompt_reextracts_only_the_shard_holding_it(demo_run, tmp_path)
     assert at["top"] == 0 < at["middle"] < at["end"] == len(keys) - 1, at
     # each place on its own copy of the finished run (copy_run keeps mtimes: nothing out of date), side
     # by side: the runs are chains of one-process jobs, so three of them keep both cores busy
-    copies = {where: copy_run(work, tmp_path / where) for where in [*new_ids, "comments", "limits"]}
-    steps = {**{where: _add_one_prompt for where in new_ids}, "comments": _edit_comments, "limits": _length_limits}
+    copies = {where: copy_run(work, tmp_path / where) for where in [*new_ids, "comments", "limits", "dtype"]}
+    steps = {**{where: _add_one_prompt for where in new_ids}, "comments": _edit_comments, "limits": _length_limits,
+             "dtype": _compute_dtype}
     with ThreadPoolExecutor(len(copies)) as pool:
         list(pool.map(lambda where: steps[where](copies[where], where, new_ids.get(where, "")), copies))
 

@@ -3,6 +3,7 @@
 
 * :func:`model_files`: ``config.json``, the weights and every other ``*.json`` but
   :data:`NOT_MODEL_FILES` (the tokenizer's files and sampling defaults, often kept beside the weights).
+* :func:`compute_setting`: the compute dtype as it decides the forward (a rule param).
 * :func:`model_fingerprint`: the sha256 of those files' contents. A large model's files are read once
   per version of each file: their digests are remembered by (path, device, inode, size, mtime, ctime)
   in a cache directory, so a copy, a re-download or a ``touch`` costs one read of the weights (minutes) and keeps
@@ -33,6 +34,21 @@ NOT_MODEL_FILES = frozenset({
 FULL_HASH_LIMIT = 256 << 20
 
 _CHUNK = 16 << 20
+
+
+def compute_setting(compute_dtype: str, backend: str, weights: str | Path) -> str:
+    """``extraction.compute_dtype`` as it decides the forward: ``auto`` for the dtype the checkpoint's
+    ``config.json`` declares (``dtype``, or ``torch_dtype`` as older configs spell it) with the ``hf``
+    backend, which loads ``auto`` in that dtype; else as given (also when the config cannot be read:
+    a weights directory a job has not built yet). Light (the Snakefile's rule param): no transformers."""
+    if backend != "hf" or compute_dtype == "auto":
+        return compute_dtype
+    try:
+        cfg = json.loads((Path(weights) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return compute_dtype
+    declared = (cfg.get("dtype") or cfg.get("torch_dtype")) if isinstance(cfg, dict) else None
+    return "auto" if declared == compute_dtype else compute_dtype
 
 
 def model_files(weights: str | Path) -> list[Path]:
