@@ -150,7 +150,7 @@ def weights_input(wildcards):
 
 
 def extract_compute_dtype(wildcards):
-    """extraction.compute_dtype as it decides the forward (a rule param): with the hf backend, the dtype
+    """extraction.compute_dtype as it decides the forward (a param of each shard job). With the hf backend, the dtype
     the checkpoint declares reads as auto (what HF's auto loads), so writing it out reruns no job (the
     stored shards' resume key counts both as one too: eagledata.extract.core)."""
     ext = config["extraction"]
