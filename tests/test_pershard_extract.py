@@ -6,7 +6,8 @@ snakemake runs of the demo (stand-in responses, the tiny random DeepSeek-V3 on C
   places tried side by side, each on its own copy of one finished run); an edit of comments and a
   docstring in the extraction code re-extracts nothing (a fourth copy); a length limit plans the jobs
   of the shards it acts on and no other (a fifth); compute_dtype written as the model's own dtype plans
-  none (a sixth);
+  none (a sixth); with extraction.keep_replaced_gb, a prompt added and removed again takes the replaced
+  hidden shard back, extracting nothing (a seventh);
 * with 8 simulated GPUs and 16 shards at one GPU per job, 8 extract jobs hold a device at once and
   no device is ever held by two jobs (--resources gpu=8), and a failed shard job is the only one
   redone (one run for both).
@@ -171,6 +172,32 @@ def _compute_dtype(work: Path, where: str, new_id: str) -> None:
             assert _store(work) == before and _records(work) == records_before
 
 
+def _revert(work: Path, where: str, new_id: str) -> None:
+    """With extraction.keep_replaced_gb, a prompt added then removed again (``new_id``, in the middle:
+    ``where``) takes the replaced hidden shard back from hidden.store/replaced/: the revert's one shard
+    job extracts nothing and the store ends as it began, same bytes and mtimes."""
+    config = yaml.safe_load((work / "config/config.yaml").read_text())
+    config["extraction"]["keep_replaced_gb"] = 1
+    (work / "config/config.yaml").write_text(yaml.safe_dump(config))
+    before = _store(work)
+    prompts = work / "data" / "chat.jsonl"
+    original = prompts.read_text()
+    lines = original.splitlines(keepends=True)
+    prompts.write_text("".join(lines[:len(lines) // 2] + [_prompt(new_id)] + lines[len(lines) // 2:]))
+    snakemake(work, HIDDEN, *ONE_THREAD)
+    changed = [n for n, facts in _store(work).items() if before.get(n) != facts]
+    assert len(changed) == 1 and changed[0] not in before, changed
+    replaced = work / "results/ds/hidden.store/replaced"
+    assert sorted(p.name for p in replaced.glob("*.safetensors")) == sorted(set(before) - set(_store(work)))
+    prompts.write_text(original)
+    snakemake(work, PLAN)
+    assert planned_jobs(work, HIDDEN) == {"extract_shard": 1, "extract": 1}
+    snakemake(work, HIDDEN, *ONE_THREAD)
+    assert _store(work) == before
+    assert sum(r["resumed"] for r in _records(work).values()) >= 1
+    assert sorted(p.name for p in replaced.glob("*.safetensors")) == changed  # the added prompt's shard, kept
+
+
 def test_one_new_prompt_reextracts_only_the_shard_holding_it(demo_run, tmp_path):
     work = copy_run(demo_run, tmp_path / "w")
     prompts = work / "data" / "chat.jsonl"
@@ -189,9 +216,10 @@ def test_one_new_prompt_reextracts_only_the_shard_holding_it(demo_run, tmp_path)
     assert at["top"] == 0 < at["middle"] < at["end"] == len(keys) - 1, at
     # each place on its own copy of the finished run (copy_run keeps mtimes: nothing out of date), side
     # by side: the runs are chains of one-process jobs, so three of them keep both cores busy
-    copies = {where: copy_run(work, tmp_path / where) for where in [*new_ids, "comments", "limits", "dtype"]}
+    copies = {where: copy_run(work, tmp_path / where) for where in [*new_ids, "comments", "limits", "dtype", "revert"]}
     steps = {**{where: _add_one_prompt for where in new_ids}, "comments": _edit_comments, "limits": _length_limits,
-             "dtype": _compute_dtype}
+             "dtype": _compute_dtype, "revert": _revert}
+    new_ids["revert"] = new_ids["middle"]
     with ThreadPoolExecutor(len(copies)) as pool:
         list(pool.map(lambda where: steps[where](copies[where], where, new_ids.get(where, "")), copies))
 

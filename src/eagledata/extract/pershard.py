@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import socket
 import time
 from dataclasses import dataclass, field, replace
@@ -73,6 +74,7 @@ class ExtractionSettings:
     batch_tokens: int = 8192
     backend_options: dict[str, Any] = field(default_factory=dict)
     reserve_disk_bytes: int = 0
+    keep_replaced_bytes: int = 0  # see prune_store
     max_seq_len: int | None = None
     on_long: str = "truncate"
     code_fingerprint: str = ""
@@ -93,6 +95,7 @@ class ExtractionSettings:
                    compute_dtype=str(cfg.get("compute_dtype", "auto")), backend=backend,
                    device=str(cfg.get("device", "auto")), batch_tokens=int(cfg.get("batch_tokens", 8192)),
                    backend_options=options, reserve_disk_bytes=int(cfg.get("reserve_disk_gb", 0) * (1 << 30)),
+                   keep_replaced_bytes=int(cfg.get("keep_replaced_gb", 0) * (1 << 30)),
                    max_seq_len=own.get("max_seq_len"), on_long=str(own.get("on_long", "truncate")),
                    code_fingerprint=code_fingerprint(code_files) if code_files else "",
                    final_norm=cfg.get("final_norm"))
@@ -198,7 +201,7 @@ def extract_keyed_shard(plan_path: str | Path, key: str, source: str | Path, sto
     if record is not None:
         log.info("%s: in the store already (same source sha256, settings, model and code): kept untouched", dst)
     else:
-        record = sibling_record(run, dst, entry["sha256"], keys=keys)
+        record = sibling_record(run, dst, entry["sha256"], keys=keys) or replaced_record(run, dst, entry["sha256"], keys)
     if record is not None:
         if verify is not None:
             verify()
@@ -241,14 +244,69 @@ def _checked_entry(record: dict[str, Any], key: str, store: Path) -> dict[str, A
     return with_file_facts(record, path, {record["file"]: record})
 
 
-def prune_store(store: Path, keep: Sequence[str]) -> None:
-    """Remove from the store every shard (and sidecar, and ``*.tmp-PID`` of a killed job) that is not
-    one of ``keep`` (file names). Only run when no shard job of the dataset runs (the gather)."""
+#: Where the gather keeps the shards it takes out of a store (``extraction.keep_replaced_gb``).
+REPLACED = "replaced"
+
+
+def replaced_record(run: DatasetRun, dst: Path, source_sha256: str,
+                    keys: Mapping[str, str | frozenset[str]]) -> dict[str, Any] | None:
+    """The record of ``dst`` taken back from the store's :data:`REPLACED` shards (a change reverted)
+    when one is there for exactly this source, settings, model and code (:func:`stored_record`),
+    moved back with its sidecar (renames: bytes and mtime kept); else ``None``."""
+    kept = dst.parent / REPLACED / dst.name
+    if not kept.is_file() or stored_record(run, kept, source_sha256, keys=keys) is None:
+        return None
+    os.replace(sidecar_of(kept), sidecar_of(dst))
+    os.replace(kept, dst)
+    record = stored_record(run, dst, source_sha256, keys=keys)
+    if record is not None:
+        log.info("%s: taken back from %s (same source sha256, settings, model and code)", dst, kept.parent)
+    return record
+
+
+def prune_store(store: Path, keep: Sequence[str], keep_replaced_bytes: int = 0) -> None:
+    """Take out of the store every shard (and sidecar, and ``*.tmp-PID`` of a killed job) that is not
+    one of ``keep`` (file names): removed, or with ``keep_replaced_bytes`` moved to :data:`REPLACED`,
+    which then keeps the most recently replaced shards up to that many bytes (a shard moved there is
+    renamed, so its inode's change time says when). Only run when no shard job of the dataset runs
+    (the gather)."""
     names = set(keep) | {sidecar_of(Path(k)).name for k in keep}
-    for p in store.iterdir():
-        if p.is_file() and p.name not in names and (p.suffix in (".safetensors", ".json") or ".tmp-" in p.name):
+    replaced = store / REPLACED
+    gone = [p for p in store.iterdir()
+            if p.is_file() and p.name not in names and (p.suffix in (".safetensors", ".json") or ".tmp-" in p.name)]
+    for p in gone if keep_replaced_bytes else ():
+        if p.suffix == ".safetensors" and sidecar_of(p).is_file():
+            replaced.mkdir(exist_ok=True)
+            os.replace(sidecar_of(p), sidecar_of(replaced / p.name))
+            os.replace(p, replaced / p.name)
+            log.info("%s: no current shard; kept in %s", p, replaced)
+    for p in gone:
+        if p.exists():
             log.info("removing %s (no current shard)", p)
             p.unlink()
+    if replaced.is_dir():
+        _evict_replaced(replaced, keep_replaced_bytes)
+
+
+def _evict_replaced(replaced: Path, limit: int) -> None:
+    """Keep the most recently replaced shards of ``replaced`` (with their sidecars) up to ``limit``
+    bytes in all; remove the others and anything else there."""
+    shards = sorted((p for p in replaced.glob("*.safetensors") if sidecar_of(p).is_file()),
+                    key=lambda p: p.stat().st_ctime_ns, reverse=True)
+    kept, total = set(), 0
+    for p in shards:
+        size = p.stat().st_size
+        if total + size > limit:
+            break
+        kept |= {p.name, sidecar_of(p).name}
+        total += size
+    for p in replaced.iterdir():
+        if p.name not in kept:
+            log.info("removing %s (replaced shards beyond extraction.keep_replaced_gb)", p)
+            if p.is_dir():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
 
 
 def _prune_records(record_paths: Sequence[str | Path]) -> None:
@@ -286,7 +344,7 @@ def gather_hidden(plan_path: str | Path, record_paths: Sequence[str | Path], out
     write_manifest(out / "manifest.json", manifest)
     warn_model_loads(manifest["job_time"])
     warn_long_samples(manifest)
-    prune_store(store, [s["file"] for s in shards_out])
+    prune_store(store, [s["file"] for s in shards_out], settings.keep_replaced_bytes)
     _prune_records(record_paths)
     fresh = [s for s in shards_out if not s.get("resumed")]
     log.info("gathered %d shards (%d samples, %d tokens) in %.1f s; the records say %d were extracted by their job, "
