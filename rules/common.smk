@@ -153,8 +153,8 @@ def extract_compute_dtype(wildcards):
     """extraction.compute_dtype as it decides the forward (a param of each shard job). With the hf backend, the dtype
     the checkpoint declares reads as auto (what HF's auto loads), so writing it out reruns no job (the
     stored shards' resume key counts both as one too: eagledata.extract.core)."""
-    ext = config["extraction"]
-    return compute_setting(ext["compute_dtype"], ext["backend"], weights_input(wildcards))
+    ext, weights = config["extraction"], weights_input(wildcards)
+    return compute_setting(ext["compute_dtype"], ext["backend"], weights, built=weights.startswith(f"{RESULTS}/_assets/"))
 
 
 _WEIGHT_FILES = {}  # weights directory -> its files (listed once per Snakemake process)

@@ -1123,16 +1123,26 @@ def test_a_large_models_files_count_by_content_read_once_per_version(tmp_path, m
     assert w.model_fingerprint(copy, full_hash_limit=1024, cache=tmp_path / "not-a-dir") == first
 
 
-def test_compute_setting_reads_the_declared_dtype_as_auto_for_hf_only(tmp_path):
-    from eagledata.extract.weights import compute_setting
+def test_compute_setting_reads_the_declared_dtype_as_auto_for_hf_only_when_auto_surely_loads_it(tmp_path):
+    from eagledata.extract.weights import auto_dtype, compute_setting
 
-    (tmp_path / "new").mkdir()
-    (tmp_path / "new/config.json").write_text(json.dumps({"dtype": "bfloat16"}))
-    (tmp_path / "old").mkdir()
-    (tmp_path / "old/config.json").write_text(json.dumps({"torch_dtype": "float16"}))
-    assert compute_setting("bfloat16", "hf", tmp_path / "new") == "auto"
-    assert compute_setting("float16", "hf", tmp_path / "old") == "auto"
-    assert compute_setting("float32", "hf", tmp_path / "new") == "float32"
-    assert compute_setting("bfloat16", "sglang", tmp_path / "new") == "bfloat16"  # SGLang's auto is its own
-    assert compute_setting("bfloat16", "hf", tmp_path / "missing") == "bfloat16"  # not built yet: as given
-    assert compute_setting("auto", "hf", tmp_path / "new") == "auto"
+    def weights(name: str, cfg: dict) -> Path:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
+        return tmp_path / name
+
+    new, old = weights("new", {"dtype": "bfloat16"}), weights("old", {"torch_dtype": "float16"})
+    assert compute_setting("bfloat16", "hf", new) == "auto"
+    assert compute_setting("float16", "hf", old) == "auto"
+    assert compute_setting("float32", "hf", new) == "float32"
+    assert compute_setting("bfloat16", "sglang", new) == "bfloat16"  # SGLang's auto is its own
+    assert compute_setting("bfloat16", "hf", tmp_path / "missing") == "bfloat16"
+    assert compute_setting("bfloat16", "hf", new, built=True) == "bfloat16"  # a job's output: not read
+    assert compute_setting("auto", "hf", new) == "auto"
+    # transformers 4.x: a quantizer may change a given dtype but not auto; a sub-model is built in its
+    # own declared dtype under auto: no equivalence then
+    assert auto_dtype(weights("quantized", {"dtype": "bfloat16", "quantization_config": {"quant_method": "awq"}})) is None
+    assert auto_dtype(weights("mixed", {"dtype": "bfloat16", "text_config": {"dtype": "float32"}})) is None
+    assert auto_dtype(weights("uniform", {"dtype": "bfloat16", "text_config": {"torch_dtype": "bfloat16"},
+                                          "vision_config": {"hidden_size": 8}})) == "bfloat16"
+    assert auto_dtype(weights("nested_q", {"torch_dtype": "bfloat16", "text_config": {"quantization_config": {}}})) is None

@@ -157,11 +157,18 @@ def _length_limits(work: Path, where: str, new_id: str) -> None:
 
 
 def _compute_dtype(work: Path, where: str, new_id: str) -> None:
-    """compute_dtype written out as the dtype the demo model declares (what auto loads) plans no shard
-    job and keeps every hidden shard; another dtype plans every shard's job (``where``/``new_id``: unused)."""
-    before, records_before = _store(work), _records(work)
-    declared = json.loads((work / "results/_assets/demo-model/config.json").read_text())["dtype"]
+    """compute_dtype written out as the dtype the model declares (what auto loads) plans no shard job
+    and keeps every hidden shard; another dtype plans every shard's job (``where``/``new_id``:
+    unused). The demo model copied out of results/_assets/ first (weights a job builds are not read
+    while jobs are planned): that move reruns every shard job, each keeping its shard."""
+    before = _store(work)
+    shutil.copytree(work / "results/_assets/demo-model", work / "models/demo")
     config = yaml.safe_load((work / "config/config.yaml").read_text())
+    config["models"]["demo"]["weights"] = "models/demo"
+    (work / "config/config.yaml").write_text(yaml.safe_dump(config))
+    snakemake(work, HIDDEN, *ONE_THREAD)
+    assert _store(work) == before and all(r["resumed"] for r in _records(work).values())
+    declared = json.loads((work / "models/demo/config.json").read_text())["dtype"]
     assert config["extraction"].get("backend", "hf") == "hf" and config["extraction"].get("compute_dtype", "auto") == "auto"
     for dtype, jobs in ((declared, {"extract": 1}), ("bfloat16", {"extract_shard": len(before), "extract": 1})):
         config["extraction"]["compute_dtype"] = dtype
@@ -169,7 +176,7 @@ def _compute_dtype(work: Path, where: str, new_id: str) -> None:
         assert planned_jobs(work, HIDDEN) == jobs, dtype
         if dtype == declared:
             snakemake(work, HIDDEN, *ONE_THREAD)
-            assert _store(work) == before and _records(work) == records_before
+            assert _store(work) == before and all(r["resumed"] for r in _records(work).values())
 
 
 def _revert(work: Path, where: str, new_id: str) -> None:

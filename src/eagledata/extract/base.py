@@ -47,27 +47,13 @@ def check_weights_dir(weights: str | Path) -> None:
         raise ExtractionError(f"model weights directory {weights} has no config.json (a local HF model dir is required)")
 
 
-def model_config(weights: str | Path) -> Any:
-    """The config of a HF weights directory (of the whole model: see :func:`text_config`)."""
+def text_config(weights: str | Path) -> Any:
+    """The text model's config of a HF weights directory (the language model of a multimodal one)."""
     from transformers import AutoConfig
 
     check_weights_dir(weights)
-    return AutoConfig.from_pretrained(str(weights), local_files_only=True)
-
-
-def text_config(weights: str | Path, cfg: Any = None) -> Any:
-    """The text model's config of a HF weights directory (the language model of a multimodal one);
-    ``cfg``: the directory's :func:`model_config` when already read."""
-    cfg = model_config(weights) if cfg is None else cfg
+    cfg = AutoConfig.from_pretrained(str(weights), local_files_only=True)
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-
-
-def declared_dtype(cfg: Any) -> str | None:
-    """The dtype a model's config declares for its weights (``dtype``, ``torch_dtype`` before
-    transformers 4.56), as a torch dtype name; ``None`` when it declares none. Hugging Face loads a
-    model with ``dtype="auto"`` in this dtype when the config declares it (every sub-model too)."""
-    value = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
-    return str(value).removeprefix("torch.") if value else None
 
 
 class ExtractionBackend:

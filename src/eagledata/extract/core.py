@@ -66,8 +66,6 @@ from eagledata.extract.base import (
     STORED_DTYPES,
     ExtractionBackend,
     ExtractionError,
-    declared_dtype,
-    model_config,
     refuse_final_norm_setting,
     text_config,
     torch_dtype,
@@ -85,7 +83,7 @@ from eagledata.extract.limits import (
     over_trainer_max,
 )
 from eagledata.extract.norm import FINAL_STORED, NORM_FORMULA, NORM_KIND
-from eagledata.extract.weights import model_fingerprint
+from eagledata.extract.weights import auto_dtype, model_fingerprint
 from eagledata.extract.storage import (
     FORMAT,
     RESUME_KEYS,
@@ -448,13 +446,12 @@ def resolve_run(tokens_dir: str | Path, target: str | Path, weights: str | Path,
     refuse_final_norm_setting(final_norm)
     check_settings(backend, dtype, compute_dtype, batch_tokens)
     check_limit(max_seq_len, on_long)
-    top = model_config(weights)
-    cfg = text_config(weights, top)
+    cfg = text_config(weights)
     num_layers = int(cfg.num_hidden_layers)
     return DatasetRun(Path(tokens_dir), Path(target), weights, tokens_manifest, resolve_layers(layers, num_layers),
                       dtype, compute_dtype, backend, num_layers, int(cfg.hidden_size), model_fingerprint(weights),
                       str(tokens_manifest.get("tokenizer_fingerprint", "")), max_seq_len, on_long, code_fingerprint,
-                      backend_args, auto_dtype=declared_dtype(top) if backend == "hf" else None)
+                      backend_args, auto_dtype=auto_dtype(weights) if backend == "hf" else None)
 
 
 def code_fingerprint(files: Iterable[str | Path]) -> str:

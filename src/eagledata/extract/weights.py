@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import xxhash
 
@@ -36,19 +37,45 @@ FULL_HASH_LIMIT = 256 << 20
 _CHUNK = 16 << 20
 
 
-def compute_setting(compute_dtype: str, backend: str, weights: str | Path) -> str:
-    """``extraction.compute_dtype`` as it decides the forward: ``auto`` for the dtype the checkpoint's
-    ``config.json`` declares (``dtype``, or ``torch_dtype`` as older configs spell it) with the ``hf``
-    backend, which loads ``auto`` in that dtype; else as given (also when the config cannot be read:
-    a weights directory a job has not built yet). Light (the Snakefile's rule param): no transformers."""
-    if backend != "hf" or compute_dtype == "auto":
-        return compute_dtype
+def auto_dtype(weights: str | Path) -> str | None:
+    """The dtype Hugging Face's ``dtype="auto"`` surely loads every weight of this checkpoint in, from
+    its ``config.json``: the top-level ``dtype`` (``torch_dtype`` as older configs spell it), when the
+    config has no ``quantization_config`` at any level (a quantizer may turn a given dtype into another
+    but pass ``auto`` through, as AWQ does in transformers 4.x) and every sub-config declaring a dtype
+    declares the same (transformers 4.x builds a sub-model in its own declared dtype under ``auto``,
+    in the given one otherwise). ``None`` when it cannot say (or the config cannot be read)."""
     try:
         cfg = json.loads((Path(weights) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return compute_dtype
+        return None
     declared = (cfg.get("dtype") or cfg.get("torch_dtype")) if isinstance(cfg, dict) else None
-    return "auto" if declared == compute_dtype else compute_dtype
+    if not isinstance(declared, str):
+        return None
+    declared = declared.removeprefix("torch.")
+
+    def uniform(node: Any) -> bool:
+        if isinstance(node, list):
+            return all(map(uniform, node))
+        if not isinstance(node, dict):
+            return True
+        if "quantization_config" in node:
+            return False
+        own = node.get("dtype") or node.get("torch_dtype")
+        if own is not None and str(own).removeprefix("torch.") != declared:
+            return False
+        return all(map(uniform, node.values()))
+
+    return declared if uniform(cfg) else None
+
+
+def compute_setting(compute_dtype: str, backend: str, weights: str | Path, built: bool = False) -> str:
+    """``extraction.compute_dtype`` as it decides the forward: ``auto`` for the checkpoint's
+    :func:`auto_dtype` with the ``hf`` backend; else as given, and always for a weights directory
+    a job builds (``built``: it may not exist when the workflow's jobs are planned, so the answer
+    would change once it does). Light (the Snakefile's rule param): no transformers."""
+    if backend != "hf" or compute_dtype == "auto" or built:
+        return compute_dtype
+    return "auto" if auto_dtype(weights) == compute_dtype else compute_dtype
 
 
 def model_files(weights: str | Path) -> list[Path]:
