@@ -73,7 +73,8 @@ def write_extraction_plan(tokens: Path, plan_path: Path) -> Path:
 
 def extract_per_shard(plan: Path, out: Path, settings, model) -> dict:
     """Every shard as its extract_shard job does it, then the gather (rule extract); the manifest."""
-    from eagledata.extract.pershard import extract_keyed_shard, gather_hidden
+    from eagledata.extract.gather import gather_hidden
+    from eagledata.extract.pershard import extract_keyed_shard
 
     shards = json.loads(plan.read_text())["shards"]
     store, records = out.parent / f"{out.name}.store", []

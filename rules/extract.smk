@@ -46,7 +46,8 @@ rule demo_model:
 #   rule extract_shard       one job per key, resources gpu = extraction.gpus_per_job (the job claims concrete
 #                            devices with flock before importing torch): hidden.store/{token stem}.safetensors
 #                            (+ {stem}.json, its record) and hidden.work/shards/{key}.json
-#   rule extract             gather: hidden/ = manifest.json, index.parquet, hard links into hidden.store/
+#   rule extract             gather (eagledata.extract.gather): hidden/ = manifest.json, index.parquet, hard links
+#                            into hidden.store/
 # A shard job's inputs are its content-named token shard, the weights and the code, its params the
 # settings that shape the shards: nothing another shard changes, so an unchanged shard never reruns.
 # hidden.store/ is no output: Snakemake's deletion of the directory() output hidden/ cannot touch it.
@@ -126,6 +127,8 @@ rule extract:
         backend=config["extraction"]["backend"],
         sglang_server_args=canonical(config["extraction"].get("sglang_server_args") or {}),
         length_limit=lambda wc: LENGTH_LIMITS[wc.dataset],
+        # how much of what it takes out of the store it keeps (hidden.store/replaced/): a change applies now
+        keep_replaced_gb=config["extraction"]["keep_replaced_gb"],
         store=HIDDEN_STORE,
     log:
         "logs/{dataset}/extract.log",

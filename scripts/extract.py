@@ -1,11 +1,12 @@
 """Snakemake entry for rule extract (results/{dataset}/hidden): gather the per-shard jobs' hidden shards
 into manifest.json, index.parquet and hard links into the store. Plumbing only; the logic is
-eagledata.extract.pershard.gather_hidden."""
+eagledata.extract.gather.gather_hidden."""
 
 import logging
 
 from eagledata.codeinputs import verify_loaded_code
-from eagledata.extract.pershard import ExtractionSettings, gather_hidden
+from eagledata.extract.gather import gather_hidden
+from eagledata.extract.pershard import ExtractionSettings
 
 smk = snakemake  # noqa: F821  (injected by Snakemake)
 logging.basicConfig(filename=smk.log[0], level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

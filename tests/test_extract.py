@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -458,7 +459,7 @@ def test_disk_space_checked_before_a_shard_starts(tmp_path, token_rows, weights,
         ex.extract_dataset(tokens, tmp_path / "h", weights, dtype="float32", device="cpu", model=model)
     assert not list((tmp_path / "h").glob("shard-*"))
     monkeypatch.setattr(_shutil, "disk_usage", lambda p: usage(10**12, 0, need + 20000))
-    with pytest.raises(ExtractionError, match="reserve_disk_bytes"):
+    with pytest.raises(ExtractionError, match="reserve_disk_gb"):
         ex.extract_dataset(tokens, tmp_path / "h", weights, dtype="float32", device="cpu", model=model,
                            reserve_disk_bytes=10**6)
     ex.extract_dataset(tokens, tmp_path / "h", weights, dtype="float32", device="cpu", model=model)
@@ -890,7 +891,8 @@ def test_per_shard_jobs_give_the_one_process_extraction_and_resume_on_code_ident
     """extract_keyed_shard per key + gather_hidden: the same tensors, index and per-shard checks as
     extract_dataset; a second job with the same source, settings and code keeps the stored shard
     untouched (resumed, checks from the sidecar); another code fingerprint re-extracts it."""
-    from eagledata.extract.pershard import ExtractionSettings, extract_keyed_shard, gather_hidden
+    from eagledata.extract.gather import gather_hidden
+    from eagledata.extract.pershard import ExtractionSettings, extract_keyed_shard
     from eagledata.extract.storage import read_index
 
     root, one_job = fp32_out
@@ -966,7 +968,8 @@ def test_a_renamed_dataset_takes_its_shards_from_the_old_store(tmp_path, token_r
     for exactly its source, settings, model and code (a renamed or copied dataset) and hard-links it
     (with its sidecar) instead of extracting; other settings extract; the old store's pruning then
     leaves the new store's files intact."""
-    from eagledata.extract.pershard import ExtractionSettings, extract_keyed_shard, prune_store
+    from eagledata.extract.gather import prune_store
+    from eagledata.extract.pershard import ExtractionSettings, extract_keyed_shard
 
     tokens = write_tokens(tmp_path / "tokens", token_rows)
     plan = tmp_path / "plan.json"
@@ -1016,7 +1019,8 @@ def test_a_shard_whose_job_ran_other_code_is_not_published(tmp_path, token_rows,
 
     with pytest.raises(CodeChangedError):
         run(changed)
-    assert not any(store.iterdir()) and not (tmp_path / "rec.json").exists()
+    assert not any(store.iterdir()), list(store.iterdir())
+    assert not (tmp_path / "rec.json").exists()
     assert not run()["resumed"]
     with pytest.raises(CodeChangedError):  # a shard kept from the store is checked too (its record is an output)
         run(changed)
@@ -1033,7 +1037,8 @@ def test_shard_jobs_record_their_model_load_and_the_gather_warns_when_loads_domi
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from extraction_throughput import extract_per_shard, write_extraction_plan
 
-    from eagledata.extract.pershard import ExtractionSettings, job_time
+    from eagledata.extract.gather import job_time
+    from eagledata.extract.pershard import ExtractionSettings
 
     tokens = write_tokens(tmp_path / "tokens", token_rows)
     plan = write_extraction_plan(tokens, tmp_path / "plan.json")
@@ -1055,7 +1060,7 @@ def test_shard_jobs_record_their_model_load_and_the_gather_warns_when_loads_domi
     assert all(s["resumed"] for s in again["shards"]) and again["job_time"]["jobs"] == 0
     # the rule of the warning, on made-up jobs: a third of the time and 90 s loading warns; a tenth, or
     # a third but 3 s in all, does not
-    from eagledata.extract.pershard import warn_model_loads
+    from eagledata.extract.gather import warn_model_loads
 
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="eagledata.extract.pershard"):
@@ -1146,3 +1151,47 @@ def test_compute_setting_reads_the_declared_dtype_as_auto_for_hf_only_when_auto_
     assert auto_dtype(weights("uniform", {"dtype": "bfloat16", "text_config": {"torch_dtype": "bfloat16"},
                                           "vision_config": {"hidden_size": 8}})) == "bfloat16"
     assert auto_dtype(weights("nested_q", {"torch_dtype": "bfloat16", "text_config": {"quantization_config": {}}})) is None
+
+
+def test_replaced_shards_are_kept_most_recent_first_and_taken_back_also_from_half_moved_pairs(
+        tmp_path, token_rows, weights, model):
+    """The gather's prune with a cap keeps the shards it takes out in replaced/, by when they were
+    replaced (the sidecar's mtime: not the inode's change time, which a chmod or a link resets), up to
+    the cap; a cap of 0 empties it; a shard job takes its shard back, also when a killed job or gather
+    left the pair half moved; anything else there is removed."""
+    from eagledata.extract.gather import prune_store
+    from eagledata.extract.pershard import ExtractionSettings, extract_keyed_shard, sidecar_of
+
+    tokens = write_tokens(tmp_path / "tokens", token_rows)
+    plan = tmp_path / "plan.json"
+    shards = _per_shard_plan(tokens, plan)
+    settings = ExtractionSettings(weights=str(weights), dtype="float32", device="cpu", batch_tokens=200,
+                                  code_fingerprint="code-1")
+    store, replaced = tmp_path / "hidden.store", tmp_path / "hidden.store" / "replaced"
+
+    first = [extract_keyed_shard(plan, e["key"], tokens / e["file"], store, tmp_path / f"{e['key']}.json", settings,
+                                 model=model) for e in shards]
+    files = [r["file"] for r in first]
+    facts = {f: ((store / f).stat().st_mtime_ns, (store / f).read_bytes()) for f in files}
+    sizes = [(store / f).stat().st_size for f in files]
+    prune_store(store, files[1:], keep_replaced_bytes=10 << 30)  # shard 0 replaced first...
+    time.sleep(0.05)  # (file times advance by the kernel's clock tick)
+    prune_store(store, [], keep_replaced_bytes=10 << 30)  # ... then shard 1
+    assert sorted(p.name for p in replaced.glob("*.safetensors")) == sorted(files)
+    os.chmod(replaced / files[0], 0o644)  # its inode's change time is now the newest
+    (replaced / "junk.tmp-1").write_bytes(b"x")
+    prune_store(store, [], keep_replaced_bytes=sizes[1] + 1)  # room for one: the most recently replaced
+    assert sorted(p.name for p in replaced.iterdir()) == sorted([files[1], sidecar_of(Path(files[1])).name])
+
+    prune_store(store, [], keep_replaced_bytes=10 << 30)
+    os.replace(replaced / sidecar_of(Path(files[1])).name, store / sidecar_of(Path(files[1])).name)  # half moved
+
+    def boom(*a, **k):
+        raise AssertionError("extracted although the shard was kept")
+
+    assert not (replaced / files[0]).exists()  # evicted
+    again = extract_keyed_shard(plan, shards[1]["key"], tokens / shards[1]["file"], store, tmp_path / "r1.json",
+                                settings, model=boom)
+    assert again["resumed"] and ((store / files[1]).stat().st_mtime_ns, (store / files[1]).read_bytes()) == facts[files[1]]
+    prune_store(store, [files[1]], keep_replaced_bytes=0)  # a cap of 0: replaced/ emptied
+    assert not any(replaced.iterdir())

@@ -13,15 +13,18 @@ Steps, each a job, files under ``results/{dataset}/``:
    the code; its params are the settings that shape the shards. Nothing else, so another shard's change
    never reruns it. The store is no Snakemake output: a rerun job or a rerun gather never deletes a
    finished shard.
-3. :func:`gather_hidden` (rule ``extract``): ``hidden/`` = ``manifest.json`` and ``index.parquet`` (the
-   format :func:`eagledata.extract.core.extract_dataset` writes, which the exports read) and a hard link
-   per shard into the store; store files of no current shard are removed.
+3. :func:`eagledata.extract.gather.gather_hidden` (rule ``extract``; its own module, which the shard
+   jobs do not import): ``hidden/`` = ``manifest.json`` and ``index.parquet`` (the format
+   :func:`eagledata.extract.core.extract_dataset` writes, which the exports read) and a hard link per
+   shard into the store; store files of no current shard are removed, or kept in ``replaced/`` up to
+   ``extraction.keep_replaced_gb``, where a shard job takes its shard back (:func:`replaced_record`).
 
 Per shard, as in the one-process path: the token shard's sha256 is verified, the free disk space is
 checked against the shard's exact size, the file is written to ``*.tmp-PID`` and renamed, the sanity
 checks run (NaN/Inf, per-layer RMS, one sample re-run alone), and a job finding its shard already in
 the store with the same source, settings, model and code (:data:`~eagledata.extract.storage.RESUME_KEYS`)
-and an intact sidecar keeps it untouched (resume after lost metadata, a forced rerun, a retried job).
+and an intact sidecar keeps it untouched (resume after lost metadata, a forced rerun, a retried job);
+else it looks in another dataset's store (:func:`sibling_record`) and in its store's ``replaced/``.
 """
 
 from __future__ import annotations
@@ -29,10 +32,9 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import socket
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -42,18 +44,15 @@ from eagledata.extract.core import (
     LazyBackend,
     code_fingerprint,
     extract_shard,
-    norm_facts,
     resolve_run,
-    warn_long_samples,
     with_file_facts,
 )
 from eagledata.extract.plan import plan_entry, read_plan
 from eagledata.extract.storage import (
+    REPLACED,
     output_name,
     read_shard_metadata,
     resumable,
-    write_index,
-    write_manifest,
 )
 from eagledata.io import atomic_write_json, link_file, sha256_file
 
@@ -132,7 +131,10 @@ def stored_record(run: DatasetRun, dst: Path, source_sha256: str, source: Path |
         record = json.loads(sidecar_of(dst).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    st = dst.stat()
+    try:
+        st = dst.stat()
+    except FileNotFoundError:  # another dataset's gather took it out meanwhile (sibling_record)
+        return None
     if record.get("file") != dst.name or record.get("bytes") != st.st_size or record.get("mtime_ns") != st.st_mtime_ns:
         return None
     return record
@@ -233,157 +235,27 @@ def extract_keyed_shard(plan_path: str | Path, key: str, source: str | Path, sto
     return out
 
 
-def _checked_entry(record: dict[str, Any], key: str, store: Path) -> dict[str, Any]:
-    """A record as a manifest shard entry, checked against the stored file (re-hashed when its size or
-    mtime changed since the record was written)."""
-    if record.get("key") != key:
-        raise ExtractionError(f"the record of shard {key} names key {record.get('key')}")
-    path = store / record["file"]
-    if not path.is_file():
-        raise ExtractionError(f"hidden shard {path} of key {key} is missing from the store")
-    return with_file_facts(record, path, {record["file"]: record})
-
-
-#: Where the gather keeps the shards it takes out of a store (``extraction.keep_replaced_gb``).
-REPLACED = "replaced"
-
-
 def replaced_record(run: DatasetRun, dst: Path, source_sha256: str,
                     keys: Mapping[str, str | frozenset[str]]) -> dict[str, Any] | None:
     """The record of ``dst`` taken back from the store's :data:`REPLACED` shards (a change reverted)
     when one is there for exactly this source, settings, model and code (:func:`stored_record`),
-    moved back with its sidecar (renames: bytes and mtime kept); else ``None``."""
+    moved back with its sidecar (renames: bytes and mtime kept; a sidecar a killed job had moved
+    already is found beside ``dst``); else ``None``, also when it vanishes meanwhile."""
     kept = dst.parent / REPLACED / dst.name
+    if sidecar_of(dst).is_file() and not sidecar_of(kept).is_file() and kept.is_file():
+        os.replace(sidecar_of(dst), sidecar_of(kept))  # half a pair: a job killed between its two renames
     if not kept.is_file() or stored_record(run, kept, source_sha256, keys=keys) is None:
         return None
-    os.replace(sidecar_of(kept), sidecar_of(dst))
-    os.replace(kept, dst)
+    try:
+        os.replace(sidecar_of(kept), sidecar_of(dst))
+        os.replace(kept, dst)
+    except FileNotFoundError:
+        return None
     record = stored_record(run, dst, source_sha256, keys=keys)
     if record is not None:
         log.info("%s: taken back from %s (same source sha256, settings, model and code)", dst, kept.parent)
     return record
 
 
-def prune_store(store: Path, keep: Sequence[str], keep_replaced_bytes: int = 0) -> None:
-    """Take out of the store every shard (and sidecar, and ``*.tmp-PID`` of a killed job) that is not
-    one of ``keep`` (file names): removed, or with ``keep_replaced_bytes`` moved to :data:`REPLACED`,
-    which then keeps the most recently replaced shards up to that many bytes (a shard moved there is
-    renamed, so its inode's change time says when). Only run when no shard job of the dataset runs
-    (the gather)."""
-    names = set(keep) | {sidecar_of(Path(k)).name for k in keep}
-    replaced = store / REPLACED
-    gone = [p for p in store.iterdir()
-            if p.is_file() and p.name not in names and (p.suffix in (".safetensors", ".json") or ".tmp-" in p.name)]
-    for p in gone if keep_replaced_bytes else ():
-        if p.suffix == ".safetensors" and sidecar_of(p).is_file():
-            replaced.mkdir(exist_ok=True)
-            os.replace(sidecar_of(p), sidecar_of(replaced / p.name))
-            os.replace(p, replaced / p.name)
-            log.info("%s: no current shard; kept in %s", p, replaced)
-    for p in gone:
-        if p.exists():
-            log.info("removing %s (no current shard)", p)
-            p.unlink()
-    if replaced.is_dir():
-        _evict_replaced(replaced, keep_replaced_bytes)
-
-
-def _evict_replaced(replaced: Path, limit: int) -> None:
-    """Keep the most recently replaced shards of ``replaced`` (with their sidecars) up to ``limit``
-    bytes in all; remove the others and anything else there."""
-    shards = sorted((p for p in replaced.glob("*.safetensors") if sidecar_of(p).is_file()),
-                    key=lambda p: p.stat().st_ctime_ns, reverse=True)
-    kept, total = set(), 0
-    for p in shards:
-        size = p.stat().st_size
-        if total + size > limit:
-            break
-        kept |= {p.name, sidecar_of(p).name}
-        total += size
-    for p in replaced.iterdir():
-        if p.name not in kept:
-            log.info("removing %s (replaced shards beyond extraction.keep_replaced_gb)", p)
-            if p.is_dir():
-                shutil.rmtree(p)
-            else:
-                p.unlink()
-
-
-def _prune_records(record_paths: Sequence[str | Path]) -> None:
-    """Remove job records of keys the plan no longer has (beside the current ones)."""
-    if not record_paths:
-        return
-    current = {Path(p).resolve() for p in record_paths}
-    for p in Path(record_paths[0]).parent.glob("*.json"):
-        if p.resolve() not in current:
-            p.unlink()
-
-
-def gather_hidden(plan_path: str | Path, record_paths: Sequence[str | Path], out_dir: str | Path,
-                  store_dir: str | Path, settings: ExtractionSettings) -> dict[str, Any]:
-    """``out_dir``: ``manifest.json`` and ``index.parquet`` of the plan's shards (in plan order, one
-    record per key in ``record_paths``) and a hard link per shard into ``store_dir``; returns the manifest."""
-    t0 = time.perf_counter()
-    plan = read_plan(plan_path)
-    records = [json.loads(Path(p).read_text(encoding="utf-8")) for p in record_paths]
-    keys = [s["key"] for s in plan["shards"]]
-    if len(records) != len(keys):
-        raise ExtractionError(f"{len(records)} shard records for the {len(keys)} shards of {plan_path}")
-    store, out = Path(store_dir), Path(out_dir)
-    shards_out = [_checked_entry(r, k, store) for r, k in zip(records, keys)]
-    out.mkdir(parents=True, exist_ok=True)
-    run = replace(settings.run({"dataset": plan.get("dataset"), "tokenizer_fingerprint": plan.get("tokenizer_fingerprint")},
-                               out), tokens_dir=Path(plan["token_store"]))
-    norm: dict[str, Any] = {}
-    for s in shards_out:
-        link_file(store / s["file"], out / s["file"])
-        norm = norm_facts(out / s["file"], norm)
-    write_index(out / "index.parquet", shards_out, out)
-    manifest = run.manifest(shards_out, True, **norm)
-    manifest["job_time"] = job_time(shards_out)
-    write_manifest(out / "manifest.json", manifest)
-    warn_model_loads(manifest["job_time"])
-    warn_long_samples(manifest)
-    prune_store(store, [s["file"] for s in shards_out], settings.keep_replaced_bytes)
-    _prune_records(record_paths)
-    fresh = [s for s in shards_out if not s.get("resumed")]
-    log.info("gathered %d shards (%d samples, %d tokens) in %.1f s; the records say %d were extracted by their job, "
-             "%d kept from the store", len(shards_out), manifest["samples"], manifest["tokens"],
-             time.perf_counter() - t0, len(fresh), len(shards_out) - len(fresh))
-    return manifest
-
-
-#: the gather warns when the shard jobs spent more than this share of their time loading the model...
-LOAD_SHARE_WARNING = 0.25
-#: ... and at least this many seconds in all (a model that loads in seconds is not worth a warning)
-LOAD_SECONDS_WARNING = 60.0
-
-
-def job_time(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """What the shard jobs that extracted ``shards`` spent, as their records say (shards a job found in
-    the store, and records of an eagledata that did not time loads, are left out): seconds loading the
-    model, extracting (forward included) and in the forward alone, and the loads' share of load +
-    extraction."""
-    timed = [s for s in shards if s.get("model_load_s") is not None and not s.get("resumed")]
-    load = sum(float(s["model_load_s"]) for s in timed)
-    work = sum(float(s.get("seconds") or 0.0) for s in timed)
-    forward = sum(float(s.get("forward_seconds") or 0.0) for s in timed)
-    return {"jobs": len(timed), "model_load_s": round(load, 3), "extract_s": round(work, 3),
-            "forward_s": round(forward, 3), "load_share": round(load / (load + work), 4) if load + work > 0 else None}
-
-
-def warn_model_loads(timing: Mapping[str, Any]) -> None:
-    """Warn when loading the model took more than :data:`LOAD_SHARE_WARNING` of the shard jobs' time
-    and :data:`LOAD_SECONDS_WARNING` in all: every ``extract_shard`` job loads the model, so its load is
-    paid once per shard."""
-    share = timing.get("load_share")
-    if share is None or share <= LOAD_SHARE_WARNING or timing["jobs"] < 2 or timing["model_load_s"] < LOAD_SECONDS_WARNING:
-        return
-    log.warning("loading the model took %.0f%% of the extraction jobs' time (%d jobs: %.1f s loading, %.1f s "
-                "extracting): each shard job loads the model once, so a larger tokens.shard_size spends less "
-                "GPU time on loads (a new shard size cuts new shards: they are tokenized and extracted again)",
-                100 * share, timing["jobs"], timing["model_load_s"], timing["extract_s"])
-
-
-__all__ = ["ExtractionSettings", "extract_keyed_shard", "gather_hidden", "job_time", "prune_store", "sidecar_of",
-           "sibling_record", "stored_record", "warn_model_loads"]
+__all__ = ["REPLACED", "ExtractionSettings", "extract_keyed_shard", "replaced_record", "sibling_record", "sidecar_of",
+           "stored_record"]

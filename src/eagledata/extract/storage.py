@@ -227,18 +227,28 @@ def estimate_shard_bytes(n_tokens: int, n_samples: int, n_layers: int, hidden: i
         n_tokens, n_samples, n_layers, hidden, dtype))
 
 
+#: The directory of a store (``hidden.store/replaced/``) where its shards no current shard uses are kept
+#: (``extraction.keep_replaced_gb``: :func:`eagledata.extract.gather.prune_store`).
+REPLACED = "replaced"
+
+
 def check_disk_space(path: str | Path, need_bytes: int, reserve_bytes: int = 0) -> None:
     """Raise :class:`ExtractionError` naming ``path`` and the numbers when the filesystem holding
-    ``path`` has less than ``need_bytes + reserve_bytes`` free."""
+    ``path`` has less than ``need_bytes + reserve_bytes`` free (and the replaced shards kept beside
+    ``path``, which can go)."""
     path = Path(path)
     probe = path if path.exists() else path.parent
     free = shutil.disk_usage(probe).free
     if free < need_bytes + reserve_bytes:
         gib = 1 << 30
+        replaced = path.parent / REPLACED
+        held = sum(p.stat().st_size for p in replaced.glob("*") if p.is_file()) if replaced.is_dir() else 0
         raise ExtractionError(
             f"not enough disk space for {path}: the shard needs {need_bytes:,} bytes ({need_bytes / gib:.2f} GiB)"
-            + (f" + {reserve_bytes:,} reserved (extraction.reserve_disk_bytes)" if reserve_bytes else "")
-            + f", but only {free:,} bytes ({free / gib:.2f} GiB) are free on the filesystem of {probe}")
+            + (f" + {reserve_bytes:,} reserved (extraction.reserve_disk_gb)" if reserve_bytes else "")
+            + f", but only {free:,} bytes ({free / gib:.2f} GiB) are free on the filesystem of {probe}"
+            + (f"; {replaced} holds {held / gib:.2f} GiB of shards no current shard uses, kept for reverts "
+               "(extraction.keep_replaced_gb): deleting it loses nothing current" if held else ""))
 
 
 class BackgroundWriter:
