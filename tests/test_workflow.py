@@ -319,3 +319,25 @@ def test_a_setting_of_one_trainers_export_reruns_only_that_export(demo_run, tmp_
     assert "kind=specforge" in out and "kind=speculators" not in out, out[-3000:]
     # the SpecForge export of each dataset, and the report that reads the exports
     assert planned_jobs(work) == {"export": len(config["datasets"]), "report": 1, "all": 1}
+
+
+def test_a_dataset_left_with_no_sample_runs_to_the_end_and_says_so(demo_run, tmp_path):
+    """A dataset whose every prompt is a duplicate of an earlier dataset's (dedup) has no sample: its
+    tokens, extraction, exports, validation and the run's report finish with zero samples (the tokens
+    gather and the extraction gather had no store to prune, the report no columns to read)."""
+    work = copy_run(demo_run, tmp_path / "w")
+    config = yaml.safe_load((work / "config/config.yaml").read_text())
+    first = next(iter(config["datasets"]))
+    configure(work, datasets={**config["datasets"], "dup": dict(config["datasets"][first])})
+    snakemake(work, "all")
+    assert planned_jobs(work) == {}
+    results = work / "results/dup"
+    summary = json.loads((results / "generation_summary.json").read_text())
+    assert summary["samples"] == 0 and len(summary["dedup"]["dropped"]) == _lines(work / config["datasets"][first]["prompts"])
+    assert json.loads((results / "tokens/manifest.json").read_text())["rows"] == 0
+    validation = json.loads((results / "validation.json").read_text())
+    assert validation["counts"]["total"] == 0 and validation["passed"]
+    assert json.loads((results / "hidden/manifest.json").read_text())["samples"] == 0
+    for kind in ("specforge", "speculators"):
+        assert json.loads((results / f"export/{kind}/export.json").read_text())["samples"] == 0
+    assert 'href="dup/report.html"' in (work / "results/report.html").read_text()

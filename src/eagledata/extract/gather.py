@@ -20,7 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from eagledata.extract.base import ExtractionError
+from eagledata.extract.base import ExtractionError, text_config
 from eagledata.extract.core import norm_facts, warn_long_samples, with_file_facts
 from eagledata.extract.pershard import ExtractionSettings, sidecar_of
 from eagledata.extract.plan import read_plan
@@ -47,6 +47,8 @@ def prune_store(store: Path, keep: Sequence[str], keep_replaced_bytes: int = 0) 
     (a pair half moved by a killed gather or shard job is completed first), which then keeps the most
     recently replaced shards up to that many bytes (:func:`evict_replaced`). Only run when no shard
     job of the dataset runs (the gather)."""
+    if not store.is_dir():  # (a dataset of no sample)
+        return
     names = set(keep) | {sidecar_of(Path(k)).name for k in keep}
     replaced = store / REPLACED
     gone = [p for p in store.iterdir()
@@ -125,6 +127,9 @@ def gather_hidden(plan_path: str | Path, record_paths: Sequence[str | Path], out
     for s in shards_out:
         link_file(store / s["file"], out / s["file"])
         norm = norm_facts(out / s["file"], norm)
+    if not shards_out:  # a dataset of no sample (every prompt a duplicate, say): the vocabulary from the config
+        log.warning("%s: no sample to extract", plan.get("dataset"))
+        norm = {"vocab_size": int(text_config(settings.weights).vocab_size)}
     write_index(out / "index.parquet", shards_out, out)
     manifest = run.manifest(shards_out, True, **norm)
     manifest["job_time"] = job_time(shards_out)

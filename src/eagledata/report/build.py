@@ -143,6 +143,9 @@ def build_run_report(datasets: Mapping[str, tuple[str | Path, str | Path]], out_
     frames, shown = [], {}
     for name, (_, tokens_dir) in datasets.items():
         df = light_frame(tokens_dir)
+        if df.is_empty():  # a dataset of no sample (every prompt a duplicate, say): no columns to read
+            shown[name] = set()
+            continue
         frames.append(df.select(["prompt_len", "completion_len"]))
         shown[name] = set(select_worst(df.to_dicts(), int(settings["worst_samples"])))
 

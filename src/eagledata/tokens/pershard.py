@@ -504,6 +504,7 @@ def _write_manifest(plan: Mapping[str, Any], learned: dict[str, Any], entries: S
                     policy: Any) -> dict[str, Any]:
     out, store = Path(out_dir), Path(store_dir)
     out.mkdir(parents=True, exist_ok=True)
+    store.mkdir(parents=True, exist_ok=True)  # (a dataset of no sample has no shard in it)
     conventions = learned["conventions"]
     seen: dict[str, dict[str, int]] = {}
     for e in entries:
