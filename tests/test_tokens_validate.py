@@ -166,6 +166,35 @@ def test_fidelity_profiles_accumulate_across_runs_without_double_counting(k25, s
     # the same dataset name in another workflow (another file, other responses): added
     record_validation(hist, rep, dict(res.manifest, source_sha256="elsewhere", source=str(tmp_path / "other.jsonl")))
     assert accumulated_profiles(hist)["P"]["total"] == 24
+    # the same file left with no sample (its providers gone): its entries go too
+    record_validation(hist, dict(rep, providers={}), dict(res.manifest, source_sha256="emptied"))
+    assert accumulated_profiles(hist)["P"]["total"] == 16
+
+
+def _record_many(hist: str, dataset: str, n: int) -> None:
+    from eagledata.validate.profiles import record_validation
+
+    report = {"dataset": dataset, "tokenizer_fingerprint": "t", "providers": {"P": {"total": 1}}}
+    for i in range(n):
+        record_validation(hist, report, {"source_sha256": f"{dataset}-{i}", "source": f"/data/{dataset}-{i}.jsonl"})
+
+
+def test_validate_jobs_recording_at_once_lose_no_entry(tmp_path):
+    """Several datasets' validate jobs write the history at the same time (--cores N): each read,
+    edit and write is under a lock, so no job's entries are lost to another's write."""
+    import multiprocessing
+
+    from eagledata.validate.profiles import accumulated_profiles
+
+    hist = str(tmp_path / "hist.jsonl")
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_record_many, args=(hist, f"d{k}", 25)) for k in range(6)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(120)
+    assert all(proc.exitcode == 0 for proc in procs)
+    assert accumulated_profiles(hist)["P"]["total"] == 6 * 25
 
 
 def test_plain_openrouter_log_lines_import_like_recordings(k2, recorded, tmp_path):

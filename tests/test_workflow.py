@@ -324,20 +324,43 @@ def test_a_setting_of_one_trainers_export_reruns_only_that_export(demo_run, tmp_
 def test_a_dataset_left_with_no_sample_runs_to_the_end_and_says_so(demo_run, tmp_path):
     """A dataset whose every prompt is a duplicate of an earlier dataset's (dedup) has no sample: its
     tokens, extraction, exports, validation and the run's report finish with zero samples (the tokens
-    gather and the extraction gather had no store to prune, the report no columns to read)."""
+    gather and the extraction gather had no store to prune, the report no columns to read); its
+    speculators export loads as an empty dataset; its history entries go. Given its own prompts back,
+    it extracts them again (the extraction records of its last shards had outlived them)."""
+    import datasets
+
     work = copy_run(demo_run, tmp_path / "w")
     config = yaml.safe_load((work / "config/config.yaml").read_text())
     first = next(iter(config["datasets"]))
-    configure(work, datasets={**config["datasets"], "dup": dict(config["datasets"][first])})
+    shared = (work / config["datasets"][first]["prompts"]).read_text()
+    own = "".join(json.dumps({"id": f"own-{i}", "messages": [{"role": "user", "content": f"Name {i} colours."}]}) + "\n"
+                  for i in range(3))
+    prompts = work / "data/dup.jsonl"
+    prompts.parent.mkdir()
+    prompts.write_text(shared + own)
+    configure(work, datasets={**config["datasets"], "dup": {**config["datasets"][first], "prompts": "data/dup.jsonl"}})
+    results = work / "results/dup"
+    snakemake(work, "all")
+    assert json.loads((results / "hidden/manifest.json").read_text())["samples"] == 3
+    history = next((work / ".cache").rglob("fidelity_history.jsonl"))
+    assert any(json.loads(line)["dataset"] == "dup" for line in history.read_text().splitlines())
+
+    prompts.write_text(shared)
     snakemake(work, "all")
     assert planned_jobs(work) == {}
-    results = work / "results/dup"
     summary = json.loads((results / "generation_summary.json").read_text())
-    assert summary["samples"] == 0 and len(summary["dedup"]["dropped"]) == _lines(work / config["datasets"][first]["prompts"])
+    assert summary["samples"] == 0 and len(summary["dedup"]["dropped"]) == _lines(prompts)
     assert json.loads((results / "tokens/manifest.json").read_text())["rows"] == 0
     validation = json.loads((results / "validation.json").read_text())
     assert validation["counts"]["total"] == 0 and validation["passed"]
     assert json.loads((results / "hidden/manifest.json").read_text())["samples"] == 0
     for kind in ("specforge", "speculators"):
         assert json.loads((results / f"export/{kind}/export.json").read_text())["samples"] == 0
+    assert len(datasets.load_from_disk(str(results / "export/speculators"))) == 0
     assert 'href="dup/report.html"' in (work / "results/report.html").read_text()
+    assert not any(json.loads(line)["dataset"] == "dup" for line in history.read_text().splitlines())
+
+    prompts.write_text(shared + own)
+    snakemake(work, "all")
+    assert json.loads((results / "hidden/manifest.json").read_text())["samples"] == 3
+    assert planned_jobs(work) == {}

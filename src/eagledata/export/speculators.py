@@ -75,7 +75,7 @@ def save_dataset(target: Path, hidden_dir: Path, rows: dict[str, list]) -> None:
     ds = datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": masks, "seq_len": [len(x) for x in ids]},
                                     features=features)
     ds.set_format("torch")
-    ds.save_to_disk(str(target))
+    ds.save_to_disk(str(target), num_shards=1 if not ids else None)  # (0 rows: an empty shard, which loads)
 
 
 def export_speculators(hidden_dir: str | Path, out_dir: str | Path, *, dtype: str = "bfloat16",

@@ -2,10 +2,12 @@
 
 Each validated dataset contributes one entry per provider to a history file (JSON lines at
 ``{cache_dir}/fidelity_history.jsonl``; like the response cache it is not a Snakemake output, so it
-survives reruns and ``--delete-all-output``). A dataset's entry for a provider is replaced, never
-counted twice, when the dataset is validated again with the same responses (the same sha256, under any
-tokenizer) or the same responses file (its absolute path: a dataset that grew, or was retokenized);
-another dataset, or the same name in another workflow, adds its own. :func:`accumulated_profiles` sums the history into one profile per provider:
+survives reruns and ``--delete-all-output``). A dataset's entries are replaced, never counted twice,
+when the dataset is validated again with the same responses (the same sha256, under any tokenizer) or
+the same responses file (its absolute path: a dataset that grew, shrank, even to no sample, or was
+retokenized): all of them, so a provider no longer in it stops counting; another dataset, or the same
+name in another workflow, adds its own. Validate jobs of several datasets write it under a file lock
+(``fidelity_history.jsonl.lock``). :func:`accumulated_profiles` sums the history into one profile per provider:
 counts per verdict (joint and per side), exact share, count-convention votes, the transformations
 seen, the distribution of completion count differences, the prompt rendering variants seen, and the
 reasoning count reliability learned in each run (with its evidence: samples and spread).
@@ -13,6 +15,7 @@ reasoning count reliability learned in each run (with its evidence: samples and 
 
 from __future__ import annotations
 
+import fcntl
 import json
 from collections import Counter
 from datetime import datetime, timezone
@@ -26,9 +29,10 @@ HISTORY_NAME = "fidelity_history.jsonl"
 
 
 def _replaces(new: Mapping[str, Any], old: Mapping[str, Any]) -> bool:
-    """Whether ``new`` measures what ``old`` did (see the module docstring); an entry written before
+    """Whether ``new`` (a dataset's measurement: ``dataset``, ``source_sha256``, ``source``) measures
+    what ``old`` did, whatever its provider (see the module docstring); an entry written before
     entries named their file matches by sha256 only."""
-    return (new["dataset"] == old.get("dataset") and new["provider"] == old.get("provider")
+    return (new["dataset"] == old.get("dataset")
             and (new["source_sha256"] == old.get("source_sha256")
                  or (old.get("source") is not None and new["source"] == old.get("source"))))
 
@@ -66,9 +70,13 @@ def record_validation(path: str | Path, report: Mapping[str, Any], manifest: Map
             "completion": p.get("completion", {}), "prompt": p.get("prompt", {}), "prompt_variant": p.get("prompt_variant"),
             "reasoning_count": p.get("reasoning_count", {}),
         })
-    kept = [e for e in _read(path) if not any(_replaces(n, e) for n in new)]
+    measured = {"dataset": report["dataset"], "source_sha256": manifest.get("source_sha256"),
+                "source": str(Path(manifest["source"]).resolve()) if manifest.get("source") else None}
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, "".join(json.dumps(e) + "\n" for e in kept + new))
+    with open(path.with_name(path.name + ".lock"), "a") as lock:  # validate jobs of several datasets at once
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        kept = [e for e in _read(path) if not _replaces(measured, e)]
+        atomic_write_text(path, "".join(json.dumps(e) + "\n" for e in kept + new))
     return len(new)
 
 
