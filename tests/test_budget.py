@@ -229,6 +229,13 @@ def test_plan_and_budget_commands(tmp_path, k25, capsys, monkeypatch):
         assert b["totals"]["d"]["spent"] == pytest.approx(sim.billed_usd)
         assert cli_main(["budget", "--config", str(cfg_path)]) == 0
         assert "remaining $" in capsys.readouterr().out
+        # a prompts file generation would refuse: the plan says so, naming its line, and exits 1
+        prompts.write_text(prompts.read_text() + '{"id": "x", "messages": "not a list"}\n')
+        assert cli_main(["plan", "--config", str(cfg_path)]) == 1
+        assert f"bad input, generation would refuse it: {prompts}:7:" in capsys.readouterr().out
+        prompts.write_text("")
+        assert cli_main(["plan", "--config", str(cfg_path)]) == 1
+        assert "no prompts (file is empty or blank)" in capsys.readouterr().out
 
 
 def _open_ledger(path):

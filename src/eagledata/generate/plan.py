@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from eagledata.config import DatasetSettings, dataset_settings
+from eagledata.errors import InputError
 from eagledata.generate.budget import BILLED_BACKEND, BudgetLedger, ledger_path
 from eagledata.generate.cache import ResponseCache
 from eagledata.generate.carryover import carried_records
@@ -138,6 +139,10 @@ def plan_dataset(config: Mapping[str, Any], name: str, estimator: PromptEstimato
     estimator = estimator or load_estimator(config, s)
     try:
         work = dataset_work(config, name, tokenizer=estimator.tokenizer)
+    except InputError as exc:  # the prompts file (its line and field): what the generate job would refuse
+        return {"dataset": name, "backend": s.backend, "samples": None, "cached": None, "to_request": 0,
+                "cost_low": 0.0, "cost_expected": None, "cost_worst": 0.0, "error": str(exc),
+                "note": f"bad input, generation would refuse it: {exc}"}
     except Exception as exc:  # noqa: BLE001 - e.g. the simulator's tokenizer is not built yet
         why = f"{type(exc).__name__}: {str(exc)[:120]}"
         if tokenizer_problem(s.model, s.model_name):  # say so, not what a hub lookup of the path said
@@ -318,4 +323,4 @@ def cmd_plan(args: Any) -> int:
         return 2
     p = plan(config, args.datasets or None)
     print(json.dumps(p, indent=1) if args.json else format_plan(p))
-    return 1 if any(r.get("preflight") for r in p["datasets"]) else 0
+    return 1 if any(r.get("preflight") or r.get("error") for r in p["datasets"]) else 0
