@@ -21,6 +21,8 @@ rule export:
         group_size=lambda w: config["export"]["specforge_group_size"] if w.kind == "specforge" else None,
         dtype=lambda w: config["export"][f"{w.kind}_dtype"],
         draft_vocab_size=config["export"]["draft_vocab_size"],
+        # how much of what it takes out of its store it keeps ({kind}.store/replaced/): a change applies now
+        keep_replaced_gb=config["export"]["keep_replaced_gb"],
     log:
         "logs/{dataset}/export_{kind}.log",
     conda:

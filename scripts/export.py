@@ -20,7 +20,8 @@ try:
     kind = smk.params.kind
     # the code stamp's digest keys the store's entries: files older code wrote are not reused
     kwargs = {"dtype": str(smk.params.dtype), "draft_vocab_size": int(smk.params.draft_vocab_size),
-              "code_version": sha256_file(smk.input.code[0])}
+              "code_version": sha256_file(smk.input.code[0]),
+              "keep_replaced_bytes": int(float(smk.params.keep_replaced_gb) * (1 << 30))}
     if kind == "specforge":
         kwargs["group_size"] = int(smk.params.group_size)
     export.EXPORTERS[kind](smk.input.hidden, out, work_dir=out.parent / f".{out.name}.partial",

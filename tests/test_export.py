@@ -331,3 +331,41 @@ def test_exports_of_an_fp8_extraction_are_bf16(setup, tmp_path):
         assert torch.equal(raw["aux_hidden_state"][0], aux.reshape(b - a, -1).to(torch.bfloat16))
         eps = sf["source_final_norm"]["eps"]
         assert torch.equal(raw["hidden_state"][0], apply_final_norm(final, t["final_norm_weight"], eps, torch.bfloat16))
+
+
+def test_a_stores_replaced_entries_are_kept_most_recent_first_and_taken_back(tmp_path):
+    """An export's per-shard store with export.keep_replaced_gb: an entry no shard uses is moved to
+    replaced/ (not removed), taken back without being written again when its shard returns, the most
+    recently replaced kept first up to the cap; a cap of 0 removes them."""
+    import time
+
+    from eagledata.export.common import HiddenShard, ShardStore
+
+    shards = [HiddenShard(f"shard-{k}.safetensors", f"{k:064x}", None, []) for k in range(3)]
+    written = []
+
+    def write(d):
+        written.append(d.name)
+        (d / "data.bin").write_bytes(b"x" * 1000)
+
+    def run(current, cap):
+        store = ShardStore(tmp_path / "s.store", "speculators", {"dtype": "bfloat16"}, cap)
+        for shard in current:
+            store.ensure(shard, write)
+        store.prune()
+        return store
+
+    store = run(shards, 1 << 30)
+    names = [store.entry(s).name for s in shards]
+    assert written == names
+    run(shards[1:], 1 << 30)  # shard 0 replaced first...
+    time.sleep(0.05)  # (file times advance by the kernel's clock tick)
+    run(shards[2:], 1 << 30)  # ... then shard 1
+    assert sorted(p.name for p in store.replaced.iterdir()) == sorted(names[:2])
+    run(shards[2:], 1500)  # room for one: the most recently replaced
+    assert [p.name for p in store.replaced.iterdir()] == [names[1]]
+    written.clear()
+    run(shards[1:], 1500)  # shard 1 back: taken, not written
+    assert written == [] and (store.root / names[1] / ".done").exists() and not any(store.replaced.iterdir())
+    run(shards[2:], 0)  # no cap: removed
+    assert not (store.root / names[1]).exists() and not any(store.replaced.iterdir())

@@ -8,7 +8,8 @@ Per shard: each hidden shard's trainer files are written once into
 ``{out}.store/{shard stem}-{key}/`` (``key`` = sha256 of the shard's sha256, the trainer and its
 settings; ``.done`` marks a complete entry), then hard-linked under their global names into the
 export. A rerun rewrites only the shards whose content or settings changed; renumbering after an
-insertion only relinks. Store entries no current shard uses are removed.
+insertion only relinks. Store entries no current shard uses are removed, or kept in ``replaced/`` up
+to ``export.keep_replaced_gb`` and taken back when a change is reverted.
 
 Every file is written through :func:`eagledata.io.atomic_path` (``*.tmp-PID``, fsync'ed, renamed).
 """
@@ -27,7 +28,7 @@ from typing import Any, Callable, Iterator
 from eagledata.extract.base import ExtractionError
 from eagledata.extract.fp8 import SCALES, dequantize
 from eagledata.extract.norm import FinalNorm
-from eagledata.extract.storage import FORMAT, publish_dir, read_index
+from eagledata.extract.storage import FORMAT, REPLACED, publish_dir, read_index
 from eagledata.io import atomic_path, atomic_write_json, link_file
 
 log = logging.getLogger("eagledata.export.common")
@@ -135,11 +136,19 @@ def completion_token_counts(hidden_dir: str | Path, shard: HiddenShard, vocab_si
 
 
 class ShardStore:
-    """Per-shard files of one export kind under ``root`` (module docstring)."""
+    """Per-shard files of one export kind under ``root`` (module docstring). With
+    ``keep_replaced_bytes``, entries no shard used any more are moved to ``root/replaced/`` and kept
+    there, the most recently replaced first, up to that many bytes; an entry needed again (a change
+    reverted) is taken back from there instead of written."""
 
-    def __init__(self, root: Path, kind: str, settings: dict[str, Any]):
+    def __init__(self, root: Path, kind: str, settings: dict[str, Any], keep_replaced_bytes: int = 0):
         self.root, self.kind, self.settings = root, kind, settings
+        self.keep_replaced_bytes = keep_replaced_bytes
         self.used: set[str] = set()
+
+    @property
+    def replaced(self) -> Path:
+        return self.root / REPLACED
 
     def entry(self, shard: HiddenShard) -> Path:
         h = hashlib.sha256(json.dumps({"shard": shard.sha256, "kind": self.kind, **self.settings},
@@ -147,26 +156,58 @@ class ShardStore:
         return self.root / f"{Path(shard.file).stem}-{h[:16]}"
 
     def ensure(self, shard: HiddenShard, write: Callable[[Path], None]) -> tuple[Path, bool]:
-        """The shard's entry, written by ``write(entry_dir)`` unless complete already; returns
-        ``(entry, written)``."""
+        """The shard's entry, written by ``write(entry_dir)`` unless complete already (or taken back
+        from :attr:`replaced`); returns ``(entry, written)``."""
         d = self.entry(shard)
         self.used.add(d.name)
         if (d / ".done").exists():
             return d, False
         if d.exists():
             shutil.rmtree(d)
+        if (self.replaced / d.name / ".done").exists():
+            os.replace(self.replaced / d.name, d)
+            log.info("store entry %s taken back from %s", d.name, self.replaced)
+            return d, False
         d.mkdir(parents=True)
         write(d)
         (d / ".done").write_text(shard.sha256)
         return d, True
 
     def prune(self) -> None:
-        """Remove entries no shard of this export used."""
+        """Remove entries no shard of this export used (or keep them in :attr:`replaced`, see the class)."""
         if not self.root.exists():
             return
         for p in self.root.iterdir():
-            if p.name not in self.used:
-                log.info("removing unused store entry %s", p)
+            if p.name in self.used or p.name == REPLACED:
+                continue
+            if self.keep_replaced_bytes and p.is_dir() and (p / ".done").exists():
+                shutil.rmtree(self.replaced / p.name, ignore_errors=True)
+                self.replaced.mkdir(exist_ok=True)
+                os.replace(p, self.replaced / p.name)
+                os.utime(self.replaced / p.name / ".done")  # when it was replaced
+                log.info("store entry %s no shard uses: kept in %s", p.name, self.replaced)
+                continue
+            log.info("removing unused store entry %s", p)
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+        if self.replaced.is_dir():
+            self._evict()
+
+    def _evict(self) -> None:
+        """Keep the most recently replaced entries up to :attr:`keep_replaced_bytes`; remove the rest."""
+        entries = []
+        for d in self.replaced.iterdir():
+            if d.is_dir() and (d / ".done").exists():
+                size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+                entries.append(((d / ".done").stat().st_mtime_ns, size, d))
+        kept, total = set(), 0
+        for _, size, d in sorted(entries, key=lambda t: t[0], reverse=True):
+            if total + size > self.keep_replaced_bytes:
+                break
+            kept.add(d.name)
+            total += size
+        for p in self.replaced.iterdir():
+            if p.name not in kept:
+                log.info("removing replaced store entry %s (beyond export.keep_replaced_gb)", p)
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
@@ -296,11 +337,12 @@ class ExportRun:
 
 def start_export(trainer: str, hidden_dir: str | Path, out_dir: str | Path, dtype: str, dtype_key: str,
                  draft_vocab_size: int, work_dir: str | Path | None, store_dir: str | Path | None,
-                 code_version: str | None = None) -> ExportRun:
+                 code_version: str | None = None, keep_replaced_bytes: int = 0) -> ExportRun:
     """Read the hidden-state manifest, check the trainer dtype, size the draft vocabulary, open the
     per-shard store (``OUT.store`` beside ``out_dir`` by default) and a fresh target directory.
     ``code_version`` (the workflow passes its code stamp's digest) is part of every store entry's key,
-    so files another version of the code wrote are written again, never reused."""
+    so files another version of the code wrote are written again, never reused. ``keep_replaced_bytes``:
+    see :class:`ShardStore`."""
     from eagledata.export.vocab import effective_draft_vocab
 
     hidden_dir, out_dir = Path(hidden_dir), Path(out_dir)
@@ -308,7 +350,7 @@ def start_export(trainer: str, hidden_dir: str | Path, out_dir: str | Path, dtyp
     tdtype = check_export_dtype(dtype, dtype_key)
     work = Path(work_dir) if work_dir else None
     store = ShardStore(Path(store_dir) if store_dir else out_dir.parent / f"{out_dir.name}.store", trainer,
-                       {"dtype": dtype, **({"code": code_version} if code_version else {})})
+                       {"dtype": dtype, **({"code": code_version} if code_version else {})}, keep_replaced_bytes)
     return ExportRun(trainer, hidden_dir, out_dir, manifest, dtype, tdtype,
                      effective_draft_vocab(draft_vocab_size, manifest["vocab_size"]), draft_vocab_size, work, store,
                      fresh_target(out_dir, work))

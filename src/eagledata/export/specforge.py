@@ -59,15 +59,15 @@ def specforge_sample(s: Sample, shard: HiddenShard, dtype: Any) -> dict[str, Any
 def export_specforge(hidden_dir: str | Path, out_dir: str | Path, *, group_size: int = SPECFORGE_GROUP_SIZE,
                      dtype: str = "bfloat16", draft_vocab_size: int = 32000, work_dir: str | Path | None = None,
                      store_dir: str | Path | None = None,
-                     code_version: str | None = None) -> dict[str, Any]:
+                     code_version: str | None = None, keep_replaced_bytes: int = 0) -> dict[str, Any]:
     """Write SpecForge's offline layout (module docstring). Returns the export metadata.
-    ``code_version``: see :func:`~eagledata.export.common.start_export`."""
+    ``code_version``, ``keep_replaced_bytes``: see :func:`~eagledata.export.common.start_export`."""
     import torch
 
     if group_size < 1:
         raise ExtractionError(f"export.specforge_group_size must be >= 1, got {group_size}")
     run = start_export("specforge", hidden_dir, out_dir, dtype, "specforge_dtype", draft_vocab_size, work_dir, store_dir,
-                       code_version)
+                       code_version, keep_replaced_bytes)
     total, layers = int(run.manifest["samples"]), run.manifest["layers"]
     built = assemble(run.hidden_dir, run.manifest, run.target, run.store,
                      lambda path, s, shard: torch.save(specforge_sample(s, shard, run.dtype), path),

@@ -81,13 +81,13 @@ def save_dataset(target: Path, hidden_dir: Path, rows: dict[str, list]) -> None:
 def export_speculators(hidden_dir: str | Path, out_dir: str | Path, *, dtype: str = "bfloat16",
                        draft_vocab_size: int = 32000, work_dir: str | Path | None = None,
                        store_dir: str | Path | None = None,
-                       code_version: str | None = None) -> dict[str, Any]:
+                       code_version: str | None = None, keep_replaced_bytes: int = 0) -> dict[str, Any]:
     """Write vLLM speculators' data directory (module docstring). Returns the export metadata.
-    ``code_version``: see :func:`~eagledata.export.common.start_export`."""
+    ``code_version``, ``keep_replaced_bytes``: see :func:`~eagledata.export.common.start_export`."""
     from safetensors.torch import save_file
 
     run = start_export("speculators", hidden_dir, out_dir, dtype, "speculators_dtype", draft_vocab_size, work_dir,
-                       store_dir, code_version)
+                       store_dir, code_version, keep_replaced_bytes)
     def write_hs(path: Path, s: Sample, _shard: Any) -> None:
         save_file(speculators_tensors(s, run.dtype), str(path))
         os.chmod(path, 0o666 & ~UMASK)  # safetensors creates its files 0600: unreadable to a trainer of another user
