@@ -369,3 +369,12 @@ def test_a_stores_replaced_entries_are_kept_most_recent_first_and_taken_back(tmp
     assert written == [] and (store.root / names[1] / ".done").exists() and not any(store.replaced.iterdir())
     run(shards[2:], 0)  # no cap: removed
     assert not (store.root / names[1]).exists() and not any(store.replaced.iterdir())
+    # an entry a killed removal left with its .done but not all its files is neither reused nor taken
+    # back: it is written again
+    run(shards[1:], 1 << 30)
+    run(shards[2:], 1 << 30)
+    (store.replaced / names[1] / "data.bin").unlink()
+    (store.root / names[2] / "data.bin").unlink()
+    written.clear()
+    run(shards[1:], 1 << 30)
+    assert written == names[1:] and all((store.root / n / "data.bin").stat().st_size == 1000 for n in names[1:])

@@ -6,7 +6,7 @@ and publishing (:func:`finish`: ``mapping.parquet``, ``export.json``, rename ont
 
 Per shard: each hidden shard's trainer files are written once into
 ``{out}.store/{shard stem}-{key}/`` (``key`` = sha256 of the shard's sha256, the trainer and its
-settings; ``.done`` marks a complete entry), then hard-linked under their global names into the
+settings; ``.done`` lists a complete entry's files and sizes), then hard-linked under their global names into the
 export. A rerun rewrites only the shards whose content or settings changed; renumbering after an
 insertion only relinks. Store entries no current shard uses are removed, or kept in ``replaced/`` up
 to ``export.keep_replaced_gb`` and taken back when a change is reverted.
@@ -157,20 +157,21 @@ class ShardStore:
 
     def ensure(self, shard: HiddenShard, write: Callable[[Path], None]) -> tuple[Path, bool]:
         """The shard's entry, written by ``write(entry_dir)`` unless complete already (or taken back
-        from :attr:`replaced`); returns ``(entry, written)``."""
+        complete from :attr:`replaced`); returns ``(entry, written)``. Complete: its ``.done`` lists
+        every file it wrote with its size, and they are there (a removal killed half-way is not)."""
         d = self.entry(shard)
         self.used.add(d.name)
-        if (d / ".done").exists():
+        if _complete(d):
             return d, False
-        if d.exists():
-            shutil.rmtree(d)
-        if (self.replaced / d.name / ".done").exists():
+        _remove(d)
+        if _complete(self.replaced / d.name):
             os.replace(self.replaced / d.name, d)
             log.info("store entry %s taken back from %s", d.name, self.replaced)
             return d, False
         d.mkdir(parents=True)
         write(d)
-        (d / ".done").write_text(shard.sha256)
+        files = {str(f.relative_to(d)): f.stat().st_size for f in sorted(d.rglob("*")) if f.is_file()}
+        (d / ".done").write_text(json.dumps({"shard_sha256": shard.sha256, "files": files}))
         return d, True
 
     def prune(self) -> None:
@@ -180,15 +181,15 @@ class ShardStore:
         for p in self.root.iterdir():
             if p.name in self.used or p.name == REPLACED:
                 continue
-            if self.keep_replaced_bytes and p.is_dir() and (p / ".done").exists():
-                shutil.rmtree(self.replaced / p.name, ignore_errors=True)
+            if self.keep_replaced_bytes and _complete(p):
+                _remove(self.replaced / p.name)
                 self.replaced.mkdir(exist_ok=True)
                 os.replace(p, self.replaced / p.name)
                 os.utime(self.replaced / p.name / ".done")  # when it was replaced
                 log.info("store entry %s no shard uses: kept in %s", p.name, self.replaced)
                 continue
             log.info("removing unused store entry %s", p)
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
+            _remove(p)
         if self.replaced.is_dir():
             self._evict()
 
@@ -196,7 +197,7 @@ class ShardStore:
         """Keep the most recently replaced entries up to :attr:`keep_replaced_bytes`; remove the rest."""
         entries = []
         for d in self.replaced.iterdir():
-            if d.is_dir() and (d / ".done").exists():
+            if _complete(d):
                 size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
                 entries.append(((d / ".done").stat().st_mtime_ns, size, d))
         kept, total = set(), 0
@@ -208,7 +209,26 @@ class ShardStore:
         for p in self.replaced.iterdir():
             if p.name not in kept:
                 log.info("removing replaced store entry %s (beyond export.keep_replaced_gb)", p)
-                shutil.rmtree(p) if p.is_dir() else p.unlink()
+                _remove(p)
+
+
+def _complete(entry: Path) -> bool:
+    """Whether a store entry is complete: its ``.done`` lists its files and sizes, all there."""
+    try:
+        done = json.loads((entry / ".done").read_text())
+        return all((entry / name).stat().st_size == size for name, size in done["files"].items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def _remove(path: Path) -> None:
+    """Remove a store entry (or a stray file), its ``.done`` first: killed half-way, what is left
+    is incomplete, never taken for whole."""
+    if path.is_dir():
+        (path / ".done").unlink(missing_ok=True)
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
 
 
 def fresh_target(out_dir: Path, work_dir: Path | None) -> Path:
