@@ -149,12 +149,17 @@ def weights_input(wildcards):
     return weights
 
 
+_COMPUTE_SETTINGS = {}  # weights directory -> extract_compute_dtype (its config.json read once per process)
+
+
 def extract_compute_dtype(wildcards):
     """extraction.compute_dtype as it decides the forward (a param of each shard job). With the hf backend, the dtype
     the checkpoint declares reads as auto (what HF's auto loads), so writing it out reruns no job (the
     stored shards' resume key counts both as one too: eagledata.extract.core)."""
     ext, weights = config["extraction"], weights_input(wildcards)
-    return compute_setting(ext["compute_dtype"], ext["backend"], weights, built=weights.startswith(f"{RESULTS}/_assets/"))
+    if weights not in _COMPUTE_SETTINGS:
+        _COMPUTE_SETTINGS[weights] = compute_setting(ext["compute_dtype"], ext["backend"], weights, built=_built(weights))
+    return _COMPUTE_SETTINGS[weights]
 
 
 _WEIGHT_FILES = {}  # weights directory -> its files (listed once per Snakemake process)
@@ -166,7 +171,7 @@ def weight_files_input(wildcards):
     alone is judged by the directory's own mtime, which a weight file rewritten in place does not
     change. A directory a rule builds (the demo model) is judged as that rule's output."""
     weights = weights_input(wildcards)
-    if weights.startswith(f"{RESULTS}/_assets/"):
+    if _built(weights):
         return []
     if weights not in _WEIGHT_FILES:
         _WEIGHT_FILES[weights] = [str(p) for p in model_files(weights)]

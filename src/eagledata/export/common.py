@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator
 from eagledata.extract.base import ExtractionError
 from eagledata.extract.fp8 import SCALES, dequantize
 from eagledata.extract.norm import FinalNorm
-from eagledata.extract.storage import FORMAT, REPLACED, publish_dir, read_index
+from eagledata.extract.storage import FORMAT, REPLACED, kept_replaced, publish_dir, read_index
 from eagledata.io import atomic_path, atomic_write_json, link_file
 
 log = logging.getLogger("eagledata.export.common")
@@ -195,30 +195,29 @@ class ShardStore:
 
     def _evict(self) -> None:
         """Keep the most recently replaced entries up to :attr:`keep_replaced_bytes`; remove the rest."""
-        entries = []
-        for d in self.replaced.iterdir():
-            if _complete(d):
-                size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
-                entries.append(((d / ".done").stat().st_mtime_ns, size, d))
-        kept, total = set(), 0
-        for _, size, d in sorted(entries, key=lambda t: t[0], reverse=True):
-            if total + size > self.keep_replaced_bytes:
-                break
-            kept.add(d.name)
-            total += size
+        entries = [((d / ".done").stat().st_mtime_ns, size, d.name)
+                   for d in self.replaced.iterdir() if (size := _entry_bytes(d)) is not None]
+        kept = set(kept_replaced(entries, self.keep_replaced_bytes))
         for p in self.replaced.iterdir():
             if p.name not in kept:
                 log.info("removing replaced store entry %s (beyond export.keep_replaced_gb)", p)
                 _remove(p)
 
 
-def _complete(entry: Path) -> bool:
-    """Whether a store entry is complete: its ``.done`` lists its files and sizes, all there."""
+def _entry_bytes(entry: Path) -> int | None:
+    """The bytes of a complete store entry (its ``.done`` lists its files and sizes, all there); ``None``
+    for an incomplete one."""
     try:
-        done = json.loads((entry / ".done").read_text())
-        return all((entry / name).stat().st_size == size for name, size in done["files"].items())
+        files = json.loads((entry / ".done").read_text())["files"]
+        if all((entry / name).stat().st_size == size for name, size in files.items()):
+            return sum(files.values())
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return False
+        pass
+    return None
+
+
+def _complete(entry: Path) -> bool:
+    return _entry_bytes(entry) is not None
 
 
 def _remove(path: Path) -> None:

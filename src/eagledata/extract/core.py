@@ -87,6 +87,7 @@ from eagledata.extract.weights import auto_dtype, model_fingerprint
 from eagledata.extract.storage import (
     FORMAT,
     RESUME_KEYS,
+    ResumeKeys,
     BackgroundWriter,
     SafetensorsStreamWriter,
     TokenShard,
@@ -387,7 +388,7 @@ class DatasetRun:
             return frozenset({"auto", self.auto_dtype})
         return self.compute_dtype
 
-    def resume_keys(self, source_sha256: str, source: str | Path | None = None) -> dict[str, str | frozenset[str]]:
+    def resume_keys(self, source_sha256: str, source: str | Path | None = None) -> ResumeKeys:
         """The metadata an existing output shard of token shard ``source`` (its lengths decide whether
         the length limit acts on it: read only when there is one) must carry to be kept (:data:`RESUME_KEYS`;
         a set: any of its values)."""

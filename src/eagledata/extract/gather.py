@@ -24,7 +24,7 @@ from eagledata.extract.base import ExtractionError, text_config
 from eagledata.extract.core import norm_facts, warn_long_samples, with_file_facts
 from eagledata.extract.pershard import ExtractionSettings, sidecar_of
 from eagledata.extract.plan import read_plan
-from eagledata.extract.storage import REPLACED, write_index, write_manifest
+from eagledata.extract.storage import REPLACED, kept_replaced, write_index, write_manifest
 from eagledata.io import link_file
 
 log = logging.getLogger("eagledata.extract.gather")
@@ -83,12 +83,7 @@ def evict_replaced(replaced: Path, limit: int) -> None:
             pairs.append((sidecar_of(shard).stat().st_mtime_ns, shard.stat().st_size, shard))
         except FileNotFoundError:  # half a pair
             continue
-    kept, total = set(), 0
-    for _, size, shard in sorted(pairs, key=lambda t: t[0], reverse=True):
-        if total + size > limit:
-            break
-        kept |= {shard.name, sidecar_of(shard).name}
-        total += size
+    kept = {name for shard in kept_replaced(pairs, limit) for name in (shard.name, sidecar_of(shard).name)}
     for p in replaced.iterdir():
         if p.name not in kept:
             log.info("removing %s (beyond extraction.keep_replaced_gb, or half a pair)", p)

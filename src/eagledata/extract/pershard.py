@@ -36,7 +36,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 from eagledata.extract.base import ExtractionError
 from eagledata.extract.core import (
@@ -50,6 +50,7 @@ from eagledata.extract.core import (
 from eagledata.extract.plan import plan_entry, read_plan
 from eagledata.extract.storage import (
     REPLACED,
+    ResumeKeys,
     output_name,
     read_shard_metadata,
     resumable,
@@ -119,7 +120,7 @@ def sidecar_of(shard: Path) -> Path:
 
 
 def stored_record(run: DatasetRun, dst: Path, source_sha256: str, source: Path | None = None, *,
-                  keys: Mapping[str, str | frozenset[str]] | None = None) -> dict[str, Any] | None:
+                  keys: ResumeKeys | None = None) -> dict[str, Any] | None:
     """The record of ``dst`` when the store holds a finished shard for exactly this source (the token
     shard ``source``) and these settings, model and code (header on :data:`RESUME_KEYS`, sidecar naming
     this very file: size and mtime), else ``None``. ``keys``: ``run.resume_keys(source_sha256, source)``
@@ -140,15 +141,13 @@ def stored_record(run: DatasetRun, dst: Path, source_sha256: str, source: Path |
     return record
 
 
-def sibling_record(run: DatasetRun, dst: Path, source_sha256: str, source: Path | None = None, *,
-                   keys: Mapping[str, str | frozenset[str]] | None = None) -> dict[str, Any] | None:
+def sibling_record(run: DatasetRun, dst: Path, source_sha256: str, keys: ResumeKeys) -> dict[str, Any] | None:
     """The record of the same hidden shard found in another dataset's store (``results/*/hidden.store``:
     a renamed or copied dataset, shard names being content names) for exactly this source, settings,
     model and code (:func:`stored_record`), hard-linked with its sidecar into ``dst``'s store (copied,
     mtimes kept, across file systems); ``None`` when no store holds one. Safe to share: every write
     to a store replaces a file (write and rename), none writes into one, and a store's pruning only
-    unlinks its own names. ``keys``: as :func:`stored_record`'s."""
-    keys = keys or run.resume_keys(source_sha256, source)
+    unlinks its own names. ``keys``: ``run.resume_keys`` of the shard's source."""
     for other in sorted(dst.parent.parent.parent.glob(f"*/{dst.parent.name}/{dst.name}")):
         if other.parent.resolve() == dst.parent.resolve() or stored_record(run, other, source_sha256, keys=keys) is None:
             continue
@@ -203,7 +202,7 @@ def extract_keyed_shard(plan_path: str | Path, key: str, source: str | Path, sto
     if record is not None:
         log.info("%s: in the store already (same source sha256, settings, model and code): kept untouched", dst)
     else:
-        record = sibling_record(run, dst, entry["sha256"], keys=keys) or replaced_record(run, dst, entry["sha256"], keys)
+        record = sibling_record(run, dst, entry["sha256"], keys) or replaced_record(run, dst, entry["sha256"], keys)
     if record is not None:
         if verify is not None:
             verify()
@@ -236,7 +235,7 @@ def extract_keyed_shard(plan_path: str | Path, key: str, source: str | Path, sto
 
 
 def replaced_record(run: DatasetRun, dst: Path, source_sha256: str,
-                    keys: Mapping[str, str | frozenset[str]]) -> dict[str, Any] | None:
+                    keys: ResumeKeys) -> dict[str, Any] | None:
     """The record of ``dst`` taken back from the store's :data:`REPLACED` shards (a change reverted)
     when one is there for exactly this source, settings, model and code (:func:`stored_record`),
     moved back with its sidecar (renames: bytes and mtime kept; a sidecar a killed job had moved

@@ -26,10 +26,12 @@ import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence, TypeVar
 
 from eagledata.extract.base import ExtractionError
 from eagledata.io import atomic_path, atomic_write_json, sha256_file
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -196,7 +198,12 @@ RESUME_KEYS = ("format", "source_sha256", "layers", "dtype", "compute_dtype", "m
                "code_fingerprint", "backend", "backend_args")
 
 
-def resumable(meta: dict[str, str], keys: Mapping[str, str | frozenset[str]]) -> bool:
+#: Resume keys as a stored shard must carry them (:meth:`eagledata.extract.core.DatasetRun.resume_keys`):
+#: a key's value, or the set of values that mean the same.
+ResumeKeys = Mapping[str, "str | frozenset[str]"]
+
+
+def resumable(meta: dict[str, str], keys: ResumeKeys) -> bool:
     """Whether a stored shard's header ``meta`` carries the resume ``keys``' values (a key's set of
     values: one of them); a key the header lacks reads as empty (``backend_args`` is written only
     when there are any)."""
@@ -230,6 +237,18 @@ def estimate_shard_bytes(n_tokens: int, n_samples: int, n_layers: int, hidden: i
 #: The directory of a store (``hidden.store/replaced/``) where its shards no current shard uses are kept
 #: (``extraction.keep_replaced_gb``: :func:`eagledata.extract.gather.prune_store`).
 REPLACED = "replaced"
+
+
+def kept_replaced(entries: Iterable[tuple[int, int, T]], limit: int) -> list[T]:
+    """Of replaced entries ``(when replaced, ns; bytes; item)``, the items kept: the most recently
+    replaced first, while they fit in ``limit`` bytes (the hidden store's and the export stores')."""
+    kept, total = [], 0
+    for _, size, item in sorted(entries, key=lambda e: e[0], reverse=True):
+        if total + size > limit:
+            break
+        kept.append(item)
+        total += size
+    return kept
 
 
 def check_disk_space(path: str | Path, need_bytes: int, reserve_bytes: int = 0) -> None:

@@ -431,7 +431,7 @@ def judge_shard(part_path: str | Path, learned: Mapping[str, Any], store_dir: st
         tmp.unlink(missing_ok=True)
     ids = df["id"]
     train = df.filter(pl.col("train"))
-    longest = int((train["prompt_len"] + train["completion_len"]).max() or 0) if train.height else 0
+    longest = int((train["prompt_len"] + train["completion_len"]).max() or 0)  # (None: no train row)
     return {"file": dest.name, "rows": df.height, "sha256": sha, "first_id": ids[0] if df.height else None,
             "last_id": ids[-1] if df.height else None, "longest_train": longest, "kept": kept,
             "transformations_seen": seen}

@@ -57,11 +57,12 @@ def record_validation(path: str | Path, report: Mapping[str, Any], manifest: Map
     """Add (or replace) this dataset's per-provider entries; returns the number written."""
     path = Path(path)
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    measured = {"dataset": report["dataset"], "source_sha256": manifest.get("source_sha256"),
+                "source": str(Path(manifest["source"]).resolve()) if manifest.get("source") else None}
     new = []
     for provider, p in report["providers"].items():
         new.append({
-            "dataset": report["dataset"], "source_sha256": manifest.get("source_sha256"),
-            "source": str(Path(manifest["source"]).resolve()) if manifest.get("source") else None,
+            **measured,
             "tokenizer_fingerprint": report.get("tokenizer_fingerprint"), "provider": provider,
             "family": manifest.get("family"), "recorded_at": now,
             **{k: p.get(k, 0) for k in ("total", *VERDICTS, "completion_verified")},
@@ -70,8 +71,6 @@ def record_validation(path: str | Path, report: Mapping[str, Any], manifest: Map
             "completion": p.get("completion", {}), "prompt": p.get("prompt", {}), "prompt_variant": p.get("prompt_variant"),
             "reasoning_count": p.get("reasoning_count", {}),
         })
-    measured = {"dataset": report["dataset"], "source_sha256": manifest.get("source_sha256"),
-                "source": str(Path(manifest["source"]).resolve()) if manifest.get("source") else None}
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(path.name + ".lock"), "a") as lock:  # validate jobs of several datasets at once
         fcntl.flock(lock, fcntl.LOCK_EX)
