@@ -345,3 +345,71 @@ def test_a_body_nested_too_deeply_is_malformed_not_a_crash():
     for body in (raw.replace("data: [DONE]", f"data: {deep}\n\ndata: [DONE]"), deep, forged):
         p = parse_response(body)
         assert not p.ok and p.error.where == "malformed", p
+
+
+def _plain(body):
+    """``body`` read the plain way only (every chunk parsed on its own)."""
+    import eagledata.tokens.responses as responses
+    saved, responses._TEMPLATED_LINES = responses._TEMPLATED_LINES, 10 ** 9
+    try:
+        return parse_response(body)
+    finally:
+        responses._TEMPLATED_LINES = saved
+
+
+_END = 'data: {"id":"g","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'
+_LINE = 'data: {"id":"g","choices":[{"index":0,"delta":%s,"finish_reason":null}]%s}\n\n'
+
+
+def test_a_repeated_key_never_moves_a_templates_hole():
+    """A line whose parse dropped a key (a later duplicate, spelled with an escape, or in an object a
+    later duplicate key replaced) teaches no template: the hole would sit on the text the parse dropped."""
+    escaped = "".join(_LINE % ('{"content":"w%d","cont\\u0065nt":""}' % i, "") for i in range(81)) + _END
+    escaped = escaped.replace('"content":"w0"', '"content":""', 1)
+    sibling = "".join(_LINE % ('{"content":""}', ',"x":{"content":"w%d"},"x":0' % i) for i in range(81)) + _END
+    for body in (escaped, sibling):
+        p = parse_response(body)
+        assert p.ok and p.content == "" and repr(p) == repr(_plain(body))
+
+
+def test_a_text_chunk_nested_deeply_is_read_the_plain_way():
+    body = _LINE % ('{"content":"A"}', ',"logprobs":' + "[" * 600 + "]" * 600) + _LINE % ('{"content":"b"}', "") * 80 + _END
+    p = parse_response(body)
+    assert p.ok and p.content == "A" + "b" * 80 and repr(p) == repr(_plain(body))
+
+
+def test_bodies_of_the_wrong_shape_are_malformed_values_not_exceptions():
+    deep_args = '{"choices":[{"message":{"tool_calls":[{"function":{"name":"f","arguments":%s}}]}}]}' % ("[" * 994 + "]" * 994)
+    for body in ('{"choices":{"0":{}}}', '{"choices":["x"]}', '{"choices":[{"message":[1]}]}', deep_args):
+        p = parse_response(body)
+        assert not p.ok and p.error.where == "malformed", (body[:40], p.error)
+
+
+def test_counts_and_costs_that_are_not_finite_numbers_count_nothing():
+    for bad in ("NaN", "Infinity", "-Infinity", "true", '"12"', "[1]"):
+        body = ('{"choices":[{"message":{"content":"A"},"finish_reason":"stop"}],"usage":{"prompt_tokens":%s,'
+                '"completion_tokens":%s,"completion_tokens_details":{"reasoning_tokens":%s},"cost":%s}}') % ((bad,) * 4)
+        p = parse_response(body)
+        assert (p.prompt_tokens, p.completion_tokens, p.reasoning_tokens, p.cost) == (None, None, None, None), bad
+    for usage in ("[1]", '"x"', '{"completion_tokens_details":[1]}'):
+        p = parse_response('{"choices":[{"message":{"content":"A"},"finish_reason":"stop"}],"usage":%s}' % usage)
+        assert (p.completion_tokens, p.reasoning_tokens, p.cost) == (None, None, None)
+    p = parse_response('{"choices":[{"message":{"content":"A"},"finish_reason":"stop"}],"usage":{"cost":-0.5,"completion_tokens":3.0}}')
+    assert p.cost is None and p.completion_tokens == 3
+
+
+def test_streams_a_client_would_not_read_as_one_answer_are_errors():
+    two_choices = [_delta(content="A"), {"choices": [{"index": 1, "delta": {"content": "B"}, "finish_reason": None}]},
+                   _delta(finish="stop")]
+    bool_index = [_delta(content="A"), _delta(tool_calls=[{"index": True, "id": "c", "function": {"name": "f", "arguments": "{}"}}]),
+                  _delta(finish="stop")]
+    for chunks in (two_choices, bool_index):
+        for p in _both_readers(lambda n, chunks=chunks: _sse(_filler(n) + chunks)):
+            assert not p.ok and p.error.where == "malformed", p
+    for body in ("data: [DONE]\n\n", _sse([{"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 0}}])):
+        p = parse_response(body)
+        assert not p.ok and p.error.code == "no_choices", p
+    for space in ("\xa0", "\u2028", "\x85", "\x1f"):
+        for p in _both_readers(lambda n, space=space: _sse(_filler(n) + [_delta(content="A"), _delta(finish="stop")])
+                               .replace('"A"}', '"A"}' + space, 1)):
+            assert not p.ok and p.error.where == "malformed", (space, p)

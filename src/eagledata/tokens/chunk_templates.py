@@ -18,7 +18,9 @@ holes, so its parse is the template line's parse with other values there. Escape
 are checked when the holes are decoded (an invalid one fails the decode).
 
 :func:`learn_chunk_template` learns a template from a line parsed in full. It refuses a line where
-a text value's key occurs more than once (so the key's raw token is the parsed key), and checks
+any key occurs twice in one object (the parse keeps one of them, however each is spelled:
+the line then has more keys than its parse) or a text value's key occurs more than once anywhere (so
+the key's raw token is the parsed key), and checks
 its work once: the line with every hole emptied must parse to the chunk with those values emptied.
 
 Written here rather than taken from a library: JSON libraries (orjson, msgspec) parse whole
@@ -145,19 +147,32 @@ def _cut_at(middles: list[str], inner: tuple[str, ...]) -> list[str] | None:
 
 def learn_chunk_template(payload: str, chunk: Any, fields: Mapping[str, str]) -> ChunkTemplate | None:
     """The template of ``payload`` (whose parse is ``chunk``) with a hole at the string value of
-    each key in ``fields`` (key -> kind); ``None`` when a key occurs more than once anywhere in the
-    chunk, its raw token is spelled with escapes, or its value is not a string token."""
+    each key in ``fields`` (key -> kind); ``None`` when one of them occurs more than once anywhere in
+    the chunk, its raw token is spelled with escapes, or its value is not a string token, when the line
+    repeats a key in one object, or when the chunk is nested too deeply to walk."""
+    try:
+        return _learn(payload, chunk, fields)
+    except RecursionError:  # a chunk nested deeper than these walks go (the plain reading reads it)
+        return None
+
+
+def _learn(payload: str, chunk: Any, fields: Mapping[str, str]) -> ChunkTemplate | None:
     counts: dict[str, int] = {}
     _count_keys(chunk, counts)
     if not fields or any(counts.get(key) != 1 for key in fields):
         return None
     spans: dict[str, tuple[int, int]] = {}
     tokens = list(_STRING_TOKEN.finditer(payload))
-    for key_token, value_token in zip(tokens, tokens[1:]):
-        name = key_token.group()[1:-1]
-        if name in fields and payload[key_token.end():value_token.start()].strip(_JSON_SPACE) == ":":
-            spans[name] = value_token.span()
-    if len(spans) != len(fields):
+    raw_keys = 0  # the string tokens followed by a colon: the line's keys, as written
+    for i, token in enumerate(tokens):
+        following = payload[token.end():tokens[i + 1].start() if i + 1 < len(tokens) else len(payload)]
+        if following.lstrip(_JSON_SPACE).startswith(":"):
+            raw_keys += 1
+            if token.group()[1:-1] in fields and i + 1 < len(tokens) and following.strip(_JSON_SPACE) == ":":
+                spans[token.group()[1:-1]] = tokens[i + 1].span()
+    # a key the parse dropped (a later duplicate in the same object, however spelled) leaves more keys
+    # in the line than in its parse: where the holes' values land is then not what the line says
+    if len(spans) != len(fields) or raw_keys != sum(counts.values()):
         return None
     order = sorted(spans, key=lambda k: spans[k][0])
     cuts = [0] + [i for k in order for i in spans[k]] + [len(payload)]

@@ -19,6 +19,7 @@ no choices all yield a :class:`ParsedResponse` with ``error`` set (``code``, ``m
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -61,25 +62,37 @@ class ParsedResponse:
 
     @property
     def completion_tokens(self) -> int | None:
-        return _int_or_none((self.usage or {}).get("completion_tokens"))
+        return _int_or_none(_field(self.usage, "completion_tokens"))
 
     @property
     def prompt_tokens(self) -> int | None:
-        return _int_or_none((self.usage or {}).get("prompt_tokens"))
+        return _int_or_none(_field(self.usage, "prompt_tokens"))
 
     @property
     def reasoning_tokens(self) -> int | None:
-        details = (self.usage or {}).get("completion_tokens_details") or {}
-        return _int_or_none(details.get("reasoning_tokens"))
+        return _int_or_none(_field(_field(self.usage, "completion_tokens_details"), "reasoning_tokens"))
 
     @property
     def cost(self) -> float | None:
-        c = (self.usage or {}).get("cost")
-        return float(c) if isinstance(c, (int, float)) else None
+        c = _number(_field(self.usage, "cost"))
+        return float(c) if c is not None and c >= 0 else None  # (a negative charge is no price: estimated instead)
+
+
+def _field(obj: Any, key: str) -> Any:
+    """``obj[key]`` of an object; None for anything else (a usage that is not an object counts nothing)."""
+    return obj.get(key) if isinstance(obj, dict) else None
+
+
+def _number(v: Any) -> int | float | None:
+    """A finite JSON number (not a boolean; NaN and Infinity, which the standard library reads, are no count)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return v if isinstance(v, int) or math.isfinite(v) else None
 
 
 def _int_or_none(v: Any) -> int | None:
-    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+    n = _number(v)
+    return int(n) if n is not None else None
 
 
 def _error_from(obj: Any, where: str) -> ResponseError:
@@ -134,7 +147,7 @@ def parse_response(raw: str, status: int = 200) -> ParsedResponse:
     streamed = is_sse(raw)
     try:
         parsed = _parse_sse(raw) if streamed else _parse_json(raw)
-    except (ValueError, TypeError, AttributeError) as exc:
+    except (ValueError, TypeError, AttributeError, KeyError, IndexError, RecursionError) as exc:
         parsed = ParsedResponse(streamed=streamed, error=ResponseError("malformed", f"unparseable body: {exc}", "malformed"))
     if status != 200 and parsed.error is None:
         parsed.error = ResponseError(status, f"HTTP {status}", "http")
@@ -162,8 +175,12 @@ def _parse_json(raw: str) -> ParsedResponse:
     if not choices:
         out.error = ResponseError("no_choices", "response has no choices", "body")
         return out
+    if not isinstance(choices, list) or not isinstance(choices[0], dict):
+        raise ValueError("choices is not a list of objects")
     choice = choices[0]
     msg = choice.get("message") or {}
+    if not isinstance(msg, dict):
+        raise ValueError("choices[0].message is not an object")
     if choice.get("error"):
         out.error = _error_from(choice["error"], "body")
     try:
@@ -242,7 +259,10 @@ def _event_payloads(event: list[str]) -> list[str]:
 def _data_payload(line: str) -> str | None:
     """The payload of a ``data:`` line; None for comments (": OPENROUTER PROCESSING"), ``event:``,
     ``id:`` and blank lines."""
-    return line[5:].strip() if line.startswith("data:") else None
+    return line[5:].strip(_JSON_SPACE) if line.startswith("data:") else None
+
+
+_JSON_SPACE = " \t\r\n"  # the only white space JSON has (str.strip would also take U+00A0, U+2028...)
 
 
 def _read_lines(lines: list[str], start: int, end: int, stream: "_StreamAssembly") -> None:
@@ -341,6 +361,8 @@ def _add_tool_call_delta(calls: dict[int, ToolCall], tc: Mapping[str, Any]) -> N
     than that call's: then it begins a new call. Raises ``ValueError`` for arguments that are not
     text (fragments of an object cannot be joined)."""
     idx = tc.get("index")
+    if idx is not None and (not isinstance(idx, int) or isinstance(idx, bool)):
+        raise ValueError(f"delta.tool_calls[].index is {idx!r}, not an integer")
     if idx is None:
         last = next(reversed(calls), None)
         new_id = tc.get("id")
@@ -370,6 +392,7 @@ class _StreamAssembly:
         self.calls: dict[int, ToolCall] = {}
         self.gid = self.provider = self.model = None
         self.done = False  # the stream has its [DONE]
+        self.choices = False  # a chunk had a choice (a stream with none has no answer)
         # at most this many text-chunk templates are learned: a thinking stream needs two (reasoning,
         # then content); one that matches nothing costs a scan of the rest of the stream, so a stream
         # whose chunks all differ (say in a per-chunk timestamp) is soon read chunk by chunk
@@ -388,6 +411,10 @@ class _StreamAssembly:
         if chunk.get("error"):
             out.error = _error_from(chunk["error"], "stream")
         for choice in chunk.get("choices") or ():
+            if choice.get("index", 0) != 0 or isinstance(choice.get("index"), bool):
+                # the request asks one answer: a second choice would be merged into it
+                raise ValueError(f"stream chunk has a choice of index {choice.get('index')!r}: one answer expected")
+            self.choices = True
             delta = choice.get("delta")
             if delta:
                 self._add_delta(delta)
@@ -416,6 +443,8 @@ class _StreamAssembly:
         out.tool_calls = [self.calls[i] for i in sorted(self.calls)]
         if out.error is None and not self.done and out.finish_reason is None:
             out.error = ResponseError("stream_incomplete", "stream ended without finish_reason or [DONE]", "stream")
+        if out.error is None and not self.choices:
+            out.error = ResponseError("no_choices", "stream has no choices", "stream")
         return out
 
 
@@ -441,7 +470,7 @@ def _parse_sse(raw: str) -> ParsedResponse:
         try:
             _read_lines(lines, 0, len(lines), stream)
             return stream.result()
-        except (ValueError, TypeError, AttributeError):
+        except (ValueError, TypeError, AttributeError, KeyError, IndexError, RecursionError):
             pass
     stream = _StreamAssembly()
     stream.done = done
