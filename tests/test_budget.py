@@ -720,3 +720,31 @@ def test_one_request_too_big_for_what_is_left_lets_the_job_finish_the_others_fir
         with pytest.raises(JobStopped, match="budget_usd"):
             generate_dataset(cfg, "d", tmp_path / "out.jsonl", log=quiet)
     assert len(read_jsonl(tmp_path / "cache" / "d" / "responses.jsonl")) >= 50  # 30 when it stopped at once
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_answer_without_usage_stays_held_until_reconciled(tmp_path, k25, monkeypatch, stream):
+    """A whole answer that reports no cost nor counts (a JSON body without usage, a stream cut after
+    its finish chunk) was billed an unknown amount: held at its worst case, never settled at $0 (the
+    budget then ran 4x over), until the job's end reconciles it by generation id to what was billed;
+    its cache line's null cost never settles an orphan at the next start."""
+    monkeypatch.setenv("OPENROUTER_API_KEY", API_KEY)
+    tok, fam = k25
+    with SimulatorServer(tok, fam, seed=4, faults=lambda n, body: "no-usage") as sim:
+        cfg = make_config(tmp_path, write_prompts(tmp_path / "p.jsonl", 4, tools_every=0), tok.source,
+                          api_base=sim.base_url, stream=stream)
+        cfg["budget_usd"] = 10.0
+        summary = generate_dataset(cfg, "d", tmp_path / "out.jsonl", log=quiet)
+        assert summary["ok"] == 4 and summary["unpriced"] == 4 and summary["cost_usd"] == 0
+        assert summary["ledger"]["reconciled"]["end"]["settled"] == 4
+        led = BudgetLedger(ledger_path(tmp_path / "cache"))
+        assert led.totals()["d"]["spent"] == pytest.approx(sim.billed_usd) and sim.billed_usd > 0
+        assert led.totals()["d"]["held"] == pytest.approx(0, abs=1e-12)
+        cached = [r for f in (tmp_path / "cache").rglob("*.jsonl") for r in read_jsonl(f) if "ledger_ref" in r]
+        assert [r["cost"] for r in cached] == [None] * 4
+    reserve(led, "lost", 0.5, dataset="d")
+    led.apply([], [("orphan", "lost", {})])
+    assert led.recover("d", {"lost": {"cost": None}})["recovered"] == 0  # a null cost is no price
+    assert led.recover("d", {"lost": {"cost": 0.25}})["recovered"] == 1
+    assert led.totals()["d"]["spent"] == pytest.approx(sim.billed_usd + 0.25)
+    led.close()

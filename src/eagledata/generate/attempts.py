@@ -111,6 +111,7 @@ class GenerationJob:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.over_reservation = 0
+        self.unpriced = 0  # successes without a cost or token counts (held until reconciled)
         self.run_s = 0.0
         self.run_cpu_s = 0.0
         self.tasks: list[asyncio.Task] = []
@@ -370,19 +371,28 @@ class GenerationJob:
     def answered(self, item: WorkItem, status: int, text: str, ans: Answer, gid: str | None, ref: str | None,
                  attempt: int, started: str, t0: float) -> Outcome:
         """A success or a final error: settled at its cost (reported, else priced from the token
-        counts; 0 for an error), counted, and made into its cache line."""
+        counts; 0 for an error), counted, and made into its cache line. A success that reports
+        neither its cost nor both token counts (a stream cut after its last text, a body without
+        ``usage``) was billed an unknown amount: its reservation stays held at its worst case until
+        reconciled (its cache line's cost is null), never settled at a guess."""
         cost = ans.cost
-        if cost is None:
-            cost = self.price.cost(ans.prompt_tokens or 0, ans.completion_tokens or 0) if ans.ok else 0.0
-        self.settle(ref, ans, gid, cost)
-        if ans.ok:
+        if cost is None and ans.ok and (ans.prompt_tokens is None or ans.completion_tokens is None):
+            if ref is not None:
+                self.ledger.orphan(ref, generation_id=gid, note="answer without usage: its cost is unknown")
+            self.unpriced += 1
+        elif cost is None:
+            cost = self.price.cost(ans.prompt_tokens, ans.completion_tokens) if ans.ok else 0.0
+        if cost is not None:
+            self.settle(ref, ans, gid, cost)
+        if ans.ok and cost is not None:
             self.cost += cost
             self.prompt_tokens += ans.prompt_tokens or 0
             self.completion_tokens += ans.completion_tokens or 0
             self.progress.cost += cost
-            self.progress.completion_tokens += ans.completion_tokens or 0
             if cost > self.reserve_usd[item.cache_key] + 1e-12:
                 self.over_reservation += 1
+        if ans.ok:
+            self.progress.completion_tokens += ans.completion_tokens or 0
         rec = {"id": item.id, "prompt_id": item.prompt_id, "sample_index": item.sample_index, "status": status,
                "url": self.cs.url, "cache_key": item.cache_key, "backend": self.cs.backend, "started_at": started,
                "elapsed_s": round(time.monotonic() - t0, 3), "attempts": attempt, "generation_id": gid,

@@ -499,7 +499,7 @@ class BudgetLedger:
             for (ref,) in self.db.execute("SELECT ref FROM reservations WHERE dataset=? AND state='orphaned'",
                                           (dataset,)).fetchall():
                 info = cached.get(ref)
-                if info is not None:
+                if info is not None and info.get("cost") is not None:  # (null: an answer without usage)
                     settled += self._settle(ref, float(info.get("cost") or 0.0), now, provider=info.get("provider"),
                                             generation_id=info.get("generation_id"), note="recovered from cache")
         return {"dead": dead, "recovered": settled}

@@ -332,6 +332,10 @@ async def run_requests(run: Run, ledger: BudgetLedger, progress_stream: Any) -> 
     if job.over_reservation:
         run.log(f"warning: {job.over_reservation} response(s) cost more than their reserved worst case: "
                 f"{price.source} is below the real price; raise it so the budget stays a hard cap")
+    if job.unpriced:
+        run.log(f"warning: {job.unpriced} answer(s) reported neither a cost nor token counts (no usage): each "
+                "was held at its worst case until reconciled by its generation id (what is left: "
+                "eagledata budget --reconcile)")
 
 
 def others_wait_s(config: Mapping[str, Any]) -> float:
@@ -386,6 +390,8 @@ def summarize(run: Run, output_path: str | Path, elapsed: float) -> dict[str, An
         "errors": ([{**e, "final": True} for e in job.final_errors]
                    + [{"id": k, "error": v, "final": False} for k, v in job.failures.items()]) if job else [],
         "cost_usd": round(job.cost, 6) if job else 0.0,
+        # answers that reported no cost nor token counts: held in the ledger until reconciled
+        "unpriced": job.unpriced if job else 0,
         "prompt_tokens": job.prompt_tokens if job else 0, "completion_tokens": job.completion_tokens if job else 0,
         "ledger": {"spent_usd": round(run.totals["spent"], 6), "held_usd": round(run.totals["held"], 6),
                    "reconciled": run.reconciled},

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-FAULT_KINDS = ("error_in_200", "mid_stream", "hang", "disconnect", "reset", "malformed")
+FAULT_KINDS = ("error_in_200", "mid_stream", "hang", "disconnect", "reset", "malformed", "no_usage")
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,9 @@ class Fault:
     ``mid_stream`` (a stream that stops with an error chunk, ``finish_reason: "error"``; a JSON
     request gets ``error_in_200``), ``hang`` (answer after ``seconds``: a client timeout),
     ``disconnect`` (close the connection without an answer), ``reset`` (abort it with a TCP RST),
-    ``malformed`` (a 200 whose JSON body, or one stream chunk, is cut short).
+    ``malformed`` (a 200 whose JSON body, or one stream chunk, is cut short), ``no_usage`` (a whole,
+    billed answer that reports no cost nor counts: a JSON body without ``usage``, a stream cut after
+    its finish chunk, before its usage chunk and ``[DONE]``).
     """
 
     kind: str
@@ -34,7 +36,7 @@ class Fault:
     @classmethod
     def parse(cls, spec: "str | Fault") -> "Fault":
         """``"429"``, ``"429:2"`` (Retry-After 2 s), ``"502"``, ``"503"``, ``"error-in-200"``,
-        ``"mid-stream"``, ``"hang:5"``, ``"disconnect"``, ``"reset"``, ``"malformed"``."""
+        ``"mid-stream"``, ``"hang:5"``, ``"disconnect"``, ``"reset"``, ``"malformed"``, ``"no-usage"``."""
         if isinstance(spec, Fault):
             return spec
         name, _, arg = str(spec).partition(":")

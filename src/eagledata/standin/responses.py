@@ -114,8 +114,9 @@ def choices_json(g: Generation) -> str:
                    "index": 0, "message": message}])
 
 
-def json_body(g: Generation, padding: str) -> str:
-    """OpenRouter's non-streamed body, after its keep-alive ``padding``."""
+def json_body(g: Generation, padding: str, usage_shown: bool = True) -> str:
+    """OpenRouter's non-streamed body, after its keep-alive ``padding`` (``usage_shown=False``: without
+    its usage object, as a provider's answer that reports no counts)."""
     b = g.base
     if b is not None and b.shared:
         if b.choices_json is None:
@@ -124,8 +125,8 @@ def json_body(g: Generation, padding: str) -> str:
     else:
         choices, usage = choices_json(g), dumps(g.usage)
     return (f'{padding}{{"id":{dumps(g.id)},"provider":{dumps(g.provider)},"model":{dumps(g.model)},'
-            f'"object":"chat.completion","created":{g.created},"choices":{choices},"system_fingerprint":null,'
-            f'"usage":{usage}}}')
+            f'"object":"chat.completion","created":{g.created},"choices":{choices},"system_fingerprint":null'
+            + (f',"usage":{usage}}}' if usage_shown else "}"))
 
 
 def sse_events(g: Generation, fail_midway: bool = False, malformed: bool = False) -> Iterator[str]:

@@ -418,6 +418,7 @@ class SimulatorServer:
             return pre + self._error(400, str(exc))
         failing = fault is not None and fault.kind in ("error_in_200", "mid_stream")
         malformed = fault is not None and fault.kind == "malformed"
+        no_usage = fault is not None and fault.kind == "no_usage"
         if self.api == "sglang":
             self._bill(g)
             if failing:
@@ -434,7 +435,7 @@ class SimulatorServer:
             if failing:
                 text = self.profile.json_padding + dumps(error_body(502, fault.message or "Provider returned error", g.provider))
             else:
-                text = json_body(g, self.profile.json_padding)
+                text = json_body(g, self.profile.json_padding, usage_shown=not no_usage)
                 if malformed:
                     text = text[: len(text) // 2]
             data = text.encode("utf-8")
@@ -447,6 +448,8 @@ class SimulatorServer:
         self._bill(g, 0.5 if failing else 1.0)  # a stream cut mid-way was partly generated: partly billed
         first = self._head(200, "text/event-stream", None, {"Cache-Control": "no-cache", **gen_header})
         events = sse_stream(g, fail_midway=failing, malformed=malformed)
+        if no_usage:
+            events = events[:-2]  # cut after the finish chunk: no usage chunk, no [DONE]
         opening = [("write", first + self._chunk(PROCESSING_COMMENT + "\n\n"))]
         if not self.paced_streams:
             data = b"".join(self._chunk(f"data: {e}\n\n") for e, _ in events)
