@@ -748,3 +748,24 @@ def test_an_answer_without_usage_stays_held_until_reconciled(tmp_path, k25, monk
     assert led.recover("d", {"lost": {"cost": 0.25}})["recovered"] == 1
     assert led.totals()["d"]["spent"] == pytest.approx(sim.billed_usd + 0.25)
     led.close()
+
+
+def test_the_prompt_bound_covers_a_provider_that_declares_tools_as_json(k25):
+    """The reservation's prompt bound for a request with tools covers what a provider rendering them
+    as JSON bills (the stand-in's json-tools profile), not only the model's own TypeScript declaration
+    (1.4x fewer tokens for a large schema: the budget ran 36% over)."""
+    import httpx
+
+    from eagledata.generate.plan import PromptEstimator
+
+    tok, fam = k25
+    field = {"type": "object", "description": "", "properties": {f"sub_{j}": {"type": "array", "items": {"type": "string"}}
+                                                                 for j in range(6)}}
+    tools = [{"type": "function", "function": {"name": "big_tool", "description": "", "parameters": {
+        "type": "object", "properties": {f"field_{i}": field for i in range(12)}}}}]
+    messages = [{"role": "user", "content": "use the tool"}]
+    estimate, upper = PromptEstimator(tok).count(messages, tools)
+    with SimulatorServer(tok, fam, seed=1, profile="json-tools") as sim:
+        body = {"model": "m", "messages": messages, "tools": tools, "max_tokens": 5}
+        billed = httpx.post(sim.base_url + "/chat/completions", json=body, timeout=30).json()["usage"]["prompt_tokens"]
+    assert billed > estimate * 1.25 and billed <= upper, (estimate, billed, upper)

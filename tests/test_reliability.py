@@ -138,6 +138,31 @@ def test_unknown_key_message_names_file_path_and_nearest_key(tmp_path, mutate, e
     assert str(err.value).startswith(f"{path}: {expected}"), str(err.value)
 
 
+@pytest.mark.parametrize("mutate, expected", [
+    (lambda c: c["generation"].update(temperature=float("nan")), "generation.temperature: nan is not a number JSON can carry"),
+    (lambda c: c["datasets"]["chat"].update(generation={"top_p": float("inf")}),
+     "datasets.chat.generation.top_p: inf is not a number JSON can carry"),
+    (lambda c: c["generation"].update(max_tokens=200.0), "generation.max_tokens: 200.0 is not of type 'integer'"),
+    (lambda c: c["generation"].update(api_base="ftp://example.org/v1"), "generation.api_base: 'ftp://example.org/v1' does not match"),
+    (lambda c: c["models"]["demo"].update(price_per_mtok={"prompt": 0.6}),
+     "models.demo.price_per_mtok: 'completion' is a required property"),
+], ids=["nan", "inf", "float max_tokens", "api_base scheme", "half a price"])
+def test_values_a_request_cannot_carry_are_refused_before_anything_is_sent(tmp_path, mutate, expected):
+    """NaN/Infinity (YAML .nan/.inf: not JSON), an integer written as 200.0 (JSON Schema counts it an
+    integer; the API refuses "max_tokens": 200.0), a URL no HTTP client sends to, and a price with its
+    completion half left out (priced $0: the budget stopped nothing) are config errors naming the key."""
+    from eagledata.config import ConfigError, load_config
+
+    cfg = demo_config()
+    cfg.setdefault("generation", {})
+    mutate(cfg)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value).startswith(f"{path}: {expected}"), str(err.value)
+
+
 @pytest.mark.workflow
 @pytest.mark.parametrize("mutate, expected", [
     (lambda c: c.update(budgett_usd=c.pop("budget_usd")), "budgett_usd: unknown key; did you mean `budget_usd`?"),

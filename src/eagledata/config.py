@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import difflib
 import functools
+import math
 import re
 from dataclasses import dataclass
 from importlib import resources
@@ -45,10 +46,10 @@ def defaults_validator(sch: Mapping[str, Any]) -> Any:
     """A Draft 2020-12 validator that fills every ``default`` while it validates (jsonschema's own
     extension point; the same behaviour as Snakemake's ``validate(..., set_default=True)``). Errors
     are reported against the config as given: defaults are only filled into objects the schema
-    accepts at that point."""
+    accepts at that point. An ``integer`` is an int only (:func:`_strict_validator`)."""
     import jsonschema
 
-    base = jsonschema.Draft202012Validator
+    base = _strict_validator()
     check_properties = base.VALIDATORS["properties"]
 
     def properties_with_defaults(validator, properties, instance, schema_):
@@ -59,6 +60,30 @@ def defaults_validator(sch: Mapping[str, Any]) -> Any:
         yield from check_properties(validator, properties, instance, schema_)
 
     return jsonschema.validators.extend(base, {"properties": properties_with_defaults})(sch)
+
+
+def _strict_validator() -> Any:
+    """Draft 2020-12 where an ``integer`` is an int only: JSON Schema also counts 200.0 as one, which
+    a request would then carry as ``200.0`` (an API refuses it)."""
+    import jsonschema
+
+    base = jsonschema.Draft202012Validator
+    integers = base.TYPE_CHECKER.redefine(
+        "integer", lambda _checker, value: isinstance(value, int) and not isinstance(value, bool))
+    return jsonschema.validators.extend(base, type_checker=integers)
+
+
+def _non_finite(value: Any, path: list[Any]) -> tuple[list[Any], float] | None:
+    """The key path and value of the first NaN or infinity in ``value`` (YAML's .nan, .inf), else
+    None: no JSON request or file can carry one."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path, value
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, sub in items:
+        found = _non_finite(sub, path + [key])
+        if found is not None:
+            return found
+    return None
 
 
 #: Allowed dataset names: letters, digits, ``.``, ``_`` and ``-``, not starting with ``.``.
@@ -170,13 +195,14 @@ def validate_config(config: dict, source: str = "config") -> dict:
 
     Raises :class:`ConfigError` naming ``source`` (the file), the key path and, for an unknown
     key, the nearest known one (every unknown key is listed, one per line)."""
-    import jsonschema
-
     if not isinstance(config, dict):
         raise ConfigError(f"{source}: the config must be a mapping of keys, got {type(config).__name__}")
     _check_dataset_names(config, source)
+    bad = _non_finite(config, [])
+    if bad is not None:
+        raise ConfigError(f"{source}: {_key_path(bad[0])}: {bad[1]} is not a number JSON can carry")
     sch = schema()
-    errors = sorted(jsonschema.Draft202012Validator(sch).iter_errors(config), key=lambda e: [str(p) for p in e.absolute_path])
+    errors = sorted(_strict_validator()(sch).iter_errors(config), key=lambda e: [str(p) for p in e.absolute_path])
     unknown = []
     for e in errors:
         for parent, key, _allowed in _unknown_keys(e):

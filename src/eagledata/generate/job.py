@@ -285,9 +285,10 @@ def worst_cases(run: Run, price: Price, items: Mapping[str, WorkItem] | None = N
             req = it.chat_request
             per_prompt[pk] = estimator.count(req.get("messages"), req.get("tools"), req.get("reasoning"))[1]
         reserve[key] = price.cost(per_prompt[pk], max_tokens)
-    if price.prompt == price.completion == 0 and run.settings.backend == "openrouter" and run.config.get("budget_usd") is not None:
-        run.log(f"warning: {run.dataset}: price_per_mtok is 0, so reservations are $0 and budget_usd only counts settled "
-                "costs: set models.<name>.price_per_mtok (or generation.provider.max_price) for a hard cap")
+    zero = [k for k in ("prompt", "completion") if getattr(price, k) == 0]
+    if zero and run.settings.backend == "openrouter" and run.config.get("budget_usd") is not None:
+        run.log(f"warning: {run.dataset}: {price.source} has a {' and '.join(zero)} price of 0, so reservations leave "
+                f"those tokens out and budget_usd is no hard cap: set the real price for one")
     return reserve
 
 
