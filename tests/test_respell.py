@@ -137,13 +137,24 @@ def test_turns_all_conversations_are_followed_through_the_other_spelling(tmp_pat
     assert read_jsonl(out) == first
 
 
-def test_a_final_error_under_one_spelling_is_asked_again_under_the_other(sim, tmp_path, k25):
+def test_a_final_error_under_one_spelling_is_asked_again_under_the_other(sim, tmp_path, k25, monkeypatch):
     """A provider that checks types refuses ``max_tokens: 200.0`` (the stand-in does, with a 400);
-    the config fixed to ``200`` sends the requests again instead of reusing the refusals."""
+    the config fixed to ``200`` sends the requests again instead of reusing the refusals. (The config
+    refuses 200.0 now; a cache written by an eagledata that sent it is read here.)"""
+    import eagledata.config
+    import eagledata.generate.job as job
+
     prompts = write_prompts(tmp_path / "prompts.jsonl", 3, tools_every=0)
     cfg = make_config(tmp_path, prompts, str(k25[0].source), api_base=sim.base_url, max_tokens=200.0)
+    with pytest.raises(eagledata.config.ConfigError, match="generation.max_tokens: 200.0 is not of type 'integer'"):
+        generate_dataset(cfg, "d", tmp_path / "refused.jsonl", log=quiet)
+    assert sim.requests_total == 0
     out = tmp_path / "results/d/responses.jsonl"
-    generate_dataset(cfg, "d", out, log=quiet)
+    legacy = eagledata.config.validate_config(with_generation(cfg, max_tokens=200))
+    legacy["generation"]["max_tokens"] = 200.0
+    with monkeypatch.context() as m:  # an earlier eagledata, which let 200.0 through
+        m.setattr(job, "validate_config", lambda config: config)
+        generate_dataset(legacy, "d", out, log=quiet)
     assert [r["status"] for r in read_jsonl(out)] == [400] * 3
     fixed = with_generation(cfg, max_tokens=200)
     assert plan_dataset(fixed, "d")["to_request"] == 3
