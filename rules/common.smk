@@ -179,7 +179,9 @@ def weight_files_input(wildcards):
 
 
 def dataset_targets(name):
-    targets = [f"{RESULTS}/{name}/validation.json"]
+    # tokens/ too: a gather interrupted after Snakemake removed its directory() output leaves it
+    # missing, and a missing intermediate alone (validation.json up to date) reruns nothing
+    targets = [f"{RESULTS}/{name}/tokens", f"{RESULTS}/{name}/validation.json"]
     model = config["models"][config["datasets"][name]["model"]]
     if config["extraction"]["enabled"] and model.get("weights"):
         targets.append(f"{RESULTS}/{name}/hidden")

@@ -403,6 +403,10 @@ def test_import_recorded_responses(tmp_path, recorded):
     ('{"request": {"messages": [{"role": "user", "content": "x"}]}, "status": 200}', ":2:response_raw"),
     ('{"id": "a", "request": {"messages": [{"role": "user", "content": "x"}]}, "status": 200, "response_raw": ""}', ":2:id"),
     ("{oops", ":2:(json)"),
+    ('{"request": {"messages": [{"role": "user", "content": "a\\ud800b"}]}, "status": 200, "response_raw": "{}"}',
+     ":2:request.messages.0.content: a lone surrogate"),
+    ('{"request": {"messages": [{"role": "user", "content": "x"}]}, "status": 200, "response_raw": "{}", "\\udfff": 1}',
+     ":2:\udfff: a lone surrogate"),
 ])
 def test_import_errors_name_file_line_field(tmp_path, line, where):
     good = '{"id": "a", "request": {"messages": [{"role": "user", "content": "x"}]}, "status": 200, "response_raw": ""}'

@@ -337,6 +337,14 @@ def test_one_new_response_rebuilds_only_its_shard(tmp_path):
     assert report["counts"]["total"] == 301
     assert planned_jobs(work, "rec") == {}
 
+    # a gather interrupted after Snakemake removed its directory() output: the next run rebuilds it
+    # from the parts (a missing intermediate alone, validation.json up to date, reran nothing)
+    shutil.rmtree(work / "results/rec/tokens")
+    jobs = planned_jobs(work, "rec")
+    assert jobs.get("tokens") == 1 and "token_shard" not in jobs, jobs
+    snakemake(work, "rec")
+    assert (work / "results/rec/tokens/manifest.json").exists() and planned_jobs(work, "rec") == {}
+
     # a config setting that decides token ids (here the model's family: one defined in the config, as
     # kimi-k2 under another name) reruns every shard's reconstruction; put back, nothing is to run
     shards_now = len(json.loads((work / "results/rec/tokens.work/plan.json").read_text())["shards"])

@@ -4,6 +4,7 @@ with the same record fields and cache keys as generated ones."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -21,6 +22,10 @@ def read_response_records(path: str | Path, dataset: str) -> Iterator[dict[str, 
     seen: dict[str, int] = {}
     for lineno, where, rec in iter_json_lines(path, ResponsesFileError, "responses file"):
         rec = normalize_response_line(rec)
+        bad = _lone_surrogate(rec, [])
+        if bad is not None:
+            raise ResponsesFileError(f"{where}:{'.'.join(map(str, bad))}: a lone surrogate escape (\\ud800-\\udfff "
+                                     "unpaired) is no Unicode text: it can be neither stored as UTF-8 nor encoded")
         req = rec.get("request")
         if not isinstance(req, dict):
             raise ResponsesFileError(f"{where}:request: missing or not an object")
@@ -47,6 +52,23 @@ def read_response_records(path: str | Path, dataset: str) -> Iterator[dict[str, 
                "attempts": rec.get("attempts")}
         out.update({k: v for k, v in rec.items() if k not in out})
         yield out
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(value: Any, path: list[Any]) -> list[Any] | None:
+    """The key path of the first string (or key) in ``value`` holding a lone surrogate (JSON's
+    ``"\\ud800"`` unpaired reads as one), else None."""
+    if isinstance(value, str):
+        return path if _SURROGATE.search(value) else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, sub in items:
+        found = _lone_surrogate(key, path + [key]) if isinstance(key, str) else None
+        found = found if found is not None else _lone_surrogate(sub, path + [key])
+        if found is not None:
+            return found
+    return None
 
 
 def import_responses(source: str | Path, dataset: str, output_path: str | Path, log: Log = stderr_log) -> dict[str, Any]:
