@@ -1027,6 +1027,44 @@ def test_a_shard_whose_job_ran_other_code_is_not_published(tmp_path, token_rows,
     assert run(lambda: None)["resumed"]
 
 
+def test_a_shard_job_killed_right_after_publishing_its_shard_leaves_it_kept(tmp_path, token_rows, weights, model,
+                                                                          monkeypatch):
+    """A new shard's sidecar is written before the shard takes its name: a job killed just after the
+    rename (while it used to hash the shard, about 100 s for a 170 GB K2.5 shard) leaves a shard the
+    next job keeps, never extracts again."""
+    import eagledata.extract.core as core
+    from eagledata.extract.pershard import ExtractionSettings, extract_keyed_shard
+    from eagledata.io import sha256_file
+
+    tokens = write_tokens(tmp_path / "tokens", token_rows)
+    plan = tmp_path / "plan.json"
+    entry = _per_shard_plan(tokens, plan)[0]
+    settings = ExtractionSettings(weights=str(weights), dtype="float32", device="cpu", batch_tokens=200,
+                                  code_fingerprint="code-1")
+    store = tmp_path / "hidden.store"
+    real_replace = os.replace
+
+    def replace_then_killed(src, dst):
+        real_replace(src, dst)
+        if str(dst).endswith(".safetensors"):
+            raise KeyboardInterrupt  # the job's end, right after the shard's rename
+
+    with monkeypatch.context() as m:
+        m.setattr(core.os, "replace", replace_then_killed)
+        with pytest.raises(KeyboardInterrupt):
+            extract_keyed_shard(plan, entry["key"], tokens / entry["file"], store, tmp_path / "rec.json", settings,
+                                model=model)
+    shard = next(store.glob("*.safetensors"))
+
+    class NoModel:
+        def __getattr__(self, name):
+            raise AssertionError("the model was used: the shard was extracted again")
+
+    again = extract_keyed_shard(plan, entry["key"], tokens / entry["file"], store, tmp_path / "rec.json", settings,
+                                model=NoModel())
+    assert again["resumed"] and again["file"] == shard.name and again["sha256"] == sha256_file(shard)
+
+
 def test_shard_jobs_record_their_model_load_and_the_gather_warns_when_loads_dominate(tmp_path, token_rows, weights,
                                                                                       caplog):
     """Every extract_shard job loads the model: its record says how long, the gathered manifest sums the

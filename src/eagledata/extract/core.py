@@ -59,7 +59,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from eagledata.extract.base import (
     BACKENDS,
@@ -261,9 +261,13 @@ def extract_shard(
     on_long: str = "truncate",
     code_fingerprint: str = "",
     backend_args: str = "",
+    before_publish: Callable[[Path, dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Extract one token shard ``src`` into the safetensors file ``dst`` (format in the module
-    docstring), written to ``dst.tmp-PID`` and published with ``os.replace``.
+    docstring), written to ``dst.tmp-PID`` and published with ``os.replace``. ``before_publish(tmp,
+    stats)`` runs on the finished file before that (its record written then: a rename keeps a
+    file's size and mtime, so a job killed after the rename finds its shard whole and recorded);
+    an exception from it removes the file.
 
     ``model``: an :class:`ExtractionBackend`, or a loaded HF model (wrapped in :class:`HFBackend`).
     Samples are the shard's ``train`` rows in shard order; batching (:func:`plan_batches`) does not
@@ -294,14 +298,26 @@ def extract_shard(
     try:
         fwd_s, checked = _fill_shard(writer, shard, backend, dtype, batch_tokens, src.name)
         writer.close()
+        secs = time.perf_counter() - t0
+        stats = _shard_stats(dst, src, source_sha256, s, n, secs, fwd_s, checked, flags, shard.lengths)
+        if before_publish is not None:
+            before_publish(tmp, stats)
         os.replace(tmp, dst)
     except BaseException:
         writer.abort()
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
         raise
-    secs = time.perf_counter() - t0
-    stats = {
+    log.info("%s -> %s: %d samples, %d tokens, %.2f s (forward %.2f s), %.0f tokens/s; checks: no NaN/Inf, "
+             "RMS %s, re-run alone %s", src.name, dst, s, n, secs, fwd_s, n / secs if secs > 0 else float("nan"),
+             checked["rms"], checked["rerun"])
+    return stats
+
+
+def _shard_stats(dst: Path, src: Path, source_sha256: str | None, s: int, n: int, secs: float, fwd_s: float,
+                 checked: dict[str, Any], flags: Any, lengths: Any) -> dict[str, Any]:
+    """A written shard's stats (:func:`extract_shard`'s return value)."""
+    return {
         "file": dst.name,
         "source": src.name,
         "source_sha256": source_sha256,
@@ -311,12 +327,8 @@ def extract_shard(
         "forward_seconds": round(fwd_s, 3),
         "tokens_per_s": round(n / secs, 1) if secs > 0 else None,
         "checks": checked,
-        "length_limit": {"flagged": flags, "over_trainer_max": over_trainer_max(shard.lengths)},
+        "length_limit": {"flagged": flags, "over_trainer_max": over_trainer_max(lengths)},
     }
-    log.info("%s -> %s: %d samples, %d tokens, %.2f s (forward %.2f s), %.0f tokens/s; checks: no NaN/Inf, "
-             "RMS %s, re-run alone %s", src.name, dst, s, n, secs, fwd_s, n / secs if secs > 0 else float("nan"),
-             checked["rms"], checked["rerun"])
-    return stats
 
 
 # --------------------------------------------------------------------------- dataset

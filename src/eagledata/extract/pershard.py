@@ -209,24 +209,27 @@ def extract_keyed_shard(plan_path: str | Path, key: str, source: str | Path, sto
         record = {**record, "resumed": True}
     else:
         runner = LazyBackend(run, model, settings.device, settings.backend_options)
+        written: dict[str, Any] = {}
+
+        def publish(tmp: Path, stats: dict[str, Any]) -> None:
+            """The code check, then the sidecar, before the shard takes its name (a rename keeps the
+            file's size and mtime, which the sidecar records): a job killed after the rename leaves
+            its shard recorded, kept by the next run, never extracted again."""
+            if verify is not None:
+                verify()
+            written.update(with_file_facts({**stats, "model_load_s": round(runner.load_s, 3)}, tmp, {}))
+            atomic_write_json(sidecar_of(dst), written)
+
         try:
-            stats = extract_shard(
+            extract_shard(
                 runner.get(), src, dst, layers=run.layers, dtype=run.dtype, batch_tokens=settings.batch_tokens,
                 source_sha256=entry["sha256"], tokenizer_fingerprint=run.tokenizer_fp, model_path=str(run.weights),
                 model_fp=run.model_fp, compute_dtype=run.compute_dtype,
                 reserve_disk_bytes=settings.reserve_disk_bytes, max_seq_len=run.max_seq_len, on_long=run.on_long,
-                code_fingerprint=run.code_fp, backend_args=run.backend_args)
+                code_fingerprint=run.code_fp, backend_args=run.backend_args, before_publish=publish)
         finally:
             runner.close()
-        if verify is not None:
-            try:
-                verify()
-            except Exception:
-                dst.unlink(missing_ok=True)
-                raise
-        record = with_file_facts({**stats, "model_load_s": round(runner.load_s, 3)}, dst, {})
-        atomic_write_json(sidecar_of(dst), record)
-        record = {**record, "resumed": False}
+        record = {**written, "resumed": False}
     out = {**record, "key": key, "job": {**(job or {}), "host": socket.gethostname(), "pid": os.getpid(),
                                           "started": t_start, "finished": time.time()}}
     Path(record_path).parent.mkdir(parents=True, exist_ok=True)

@@ -374,14 +374,16 @@ class GenerationJob:
         counts; 0 for an error), counted, and made into its cache line. A success that reports
         neither its cost nor both token counts (a stream cut after its last text, a body without
         ``usage``) was billed an unknown amount: its reservation stays held at its worst case until
-        reconciled (its cache line's cost is null), never settled at a guess."""
+        reconciled (its cache line's cost is null), never settled at a guess (but on a local SGLang
+        server, which bills nothing and has no record to reconcile from)."""
         cost = ans.cost
-        if cost is None and ans.ok and (ans.prompt_tokens is None or ans.completion_tokens is None):
+        if cost is None and ans.ok and (ans.prompt_tokens is None or ans.completion_tokens is None) \
+                and self.work.settings.backend != "sglang":  # (a local server: no bill to reconcile from)
             if ref is not None:
                 self.ledger.orphan(ref, generation_id=gid, note="answer without usage: its cost is unknown")
             self.unpriced += 1
         elif cost is None:
-            cost = self.price.cost(ans.prompt_tokens, ans.completion_tokens) if ans.ok else 0.0
+            cost = self.price.cost(ans.prompt_tokens or 0, ans.completion_tokens or 0) if ans.ok else 0.0
         if cost is not None:
             self.settle(ref, ans, gid, cost)
         if ans.ok and cost is not None:
