@@ -8,7 +8,7 @@ from pathlib import Path
 from eagledata.codeinputs import DIGESTS_CACHE, package_dir_for, stage_code, stamp_file
 from eagledata.config import dataset_settings, validate_config
 from eagledata.extract.limits import length_limit
-from eagledata.extract.weights import compute_setting, model_files
+from eagledata.extract.weights import compute_setting, layers_setting, model_files
 from eagledata.generate.prompts import canonical
 from eagledata.generate.requests import TOKENIZER_IDENTITY
 from eagledata.generate.ruleinputs import GenerateRuleInputs
@@ -147,6 +147,34 @@ def weights_input(wildcards):
     if not weights:
         raise ValueError(f"dataset {wildcards.dataset}: model has no 'weights' for extraction")
     return weights
+
+
+def weights_dir_input(wildcards):
+    """The weights directory as an input: ancient() (its mtime counts for nothing) but where a job
+    builds it (the demo model: that job's output). A directory's own mtime changes with any file
+    added to or replaced in it (notes, a re-downloaded generation_config.json); the model's files
+    count one by one instead (weight_files_input)."""
+    weights = weights_input(wildcards)
+    return weights if _built(weights) else ancient(weights)
+
+
+_LAYER_SETTINGS = {}  # (weights directory, layers) -> extract_layers (its config.json read once per process)
+
+
+def extract_layers(wildcards):
+    """extraction.layers as it decides the shards (a param of each shard job): the default layers written
+    out read as the default (null), so writing them out reruns no job (eagledata.extract.weights)."""
+    layers, weights = config["extraction"]["layers"], weights_input(wildcards)
+    key = (weights, json.dumps(layers))
+    if key not in _LAYER_SETTINGS:
+        _LAYER_SETTINGS[key] = layers_setting(layers, weights, built=_built(weights))
+    return _LAYER_SETTINGS[key]
+
+
+def sglang_server_args():
+    """extraction.sglang_server_args where they shape the states (the sglang backend), else none."""
+    ext = config["extraction"]
+    return canonical((ext.get("sglang_server_args") or {}) if ext["backend"] == "sglang" else {})
 
 
 _COMPUTE_SETTINGS = {}  # weights directory -> extract_compute_dtype (its config.json read once per process)

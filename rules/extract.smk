@@ -1,6 +1,7 @@
 # Hidden-state extraction (HF or SGLang backend), one job per token shard, and the tiny random demo model.
 # Needs from rules/common.smk: RESULTS (config["results_dir"]), weights_input(wildcards) (the weights dir
-# of the dataset's model) and weight_files_input (its model files), extract_shard_source and
+# of the dataset's model), weights_dir_input (it as an input) and weight_files_input (its model
+# files), extract_layers, sglang_server_args, extract_compute_dtype, extract_shard_source and
 # extract_shard_records (the plan's input functions).
 # The final hidden state is always stored BEFORE the final norm, with the norm's weight and eps
 # (eagledata.extract.norm): the SpecForge export derives the after-norm state, speculators reads it as is.
@@ -79,19 +80,19 @@ rule extract_shard:
     """One token shard's hidden states into the store (resume, disk check, atomic write, sanity checks)."""
     input:
         tokens=extract_shard_source,  # tokens.store/{content-named shard}: a new name iff new content
-        weights=weights_input,
-        weight_files=weight_files_input,  # the directory's mtime misses a weight file rewritten in place
+        weights=weights_dir_input,  # its path (its mtime counts only for the demo model, built by a job)
+        weight_files=weight_files_input,  # the model's files one by one (not the directory's mtime)
         code=code_of("scripts/extract_shard.py"),
     output:
         f"{HIDDEN_WORK}/shards/{{shard}}.json",
     params:
         # what the shards contain: a change reruns extraction (device, batch size, GPUs do not)
-        layers=config["extraction"]["layers"],
+        layers=extract_layers,
         dtype=config["extraction"]["dtype"],
         compute_dtype=extract_compute_dtype,
         backend=config["extraction"]["backend"],
         # SGLang's server arguments shape the states (quantization, KV-cache dtype...): a resume key too
-        sglang_server_args=canonical(config["extraction"].get("sglang_server_args") or {}),
+        sglang_server_args=sglang_server_args(),
         length_limit=extract_shard_limit,
         # read, not an input: the plan is rewritten whenever any shard changes
         plan=f"{HIDDEN_WORK}/plan.json",
@@ -115,17 +116,17 @@ rule extract:
     input:
         plan=f"{HIDDEN_WORK}/plan.json",
         shards=extract_shard_records,
-        weights=weights_input,
+        weights=weights_dir_input,
         weight_files=weight_files_input,
         code=code_of("scripts/extract.py"),
     output:
         directory(f"{RESULTS}/{{dataset}}/hidden"),
     params:
-        layers=config["extraction"]["layers"],
+        layers=extract_layers,
         dtype=config["extraction"]["dtype"],
         compute_dtype=config["extraction"]["compute_dtype"],
         backend=config["extraction"]["backend"],
-        sglang_server_args=canonical(config["extraction"].get("sglang_server_args") or {}),
+        sglang_server_args=sglang_server_args(),
         length_limit=lambda wc: LENGTH_LIMITS[wc.dataset],
         # how much of what it takes out of the store it keeps (hidden.store/replaced/): a change applies now
         keep_replaced_gb=config["extraction"]["keep_replaced_gb"],

@@ -1191,6 +1191,29 @@ def test_compute_setting_reads_the_declared_dtype_as_auto_for_hf_only_when_auto_
     assert auto_dtype(weights("nested_q", {"torch_dtype": "bfloat16", "text_config": {"quantization_config": {}}})) is None
 
 
+def test_the_default_layers_written_out_read_as_the_default_where_the_layer_count_is_plain(tmp_path):
+    """extraction.layers as a shard job's param: the checkpoint's default layers written out read as
+    null (the default), from the language model's count (Kimi K2.5's text_config, not its vision
+    tower's); anything else, an unplain count or weights a job builds, as written."""
+    from eagledata.extract.weights import declared_num_layers, layers_setting
+
+    def weights(name: str, cfg: dict) -> Path:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
+        return tmp_path / name
+
+    v3 = weights("v3", {"num_hidden_layers": 61})
+    k25 = weights("k25", {"text_config": {"num_hidden_layers": 61}, "vision_config": {"num_hidden_layers": 27}})
+    unplain = weights("unplain", {"num_hidden_layers": 61, "language_config": {"num_hidden_layers": 30}})
+    assert (declared_num_layers(v3), declared_num_layers(k25), declared_num_layers(unplain)) == (61, 61, None)
+    for w in (v3, k25):
+        assert layers_setting([1, 29, 57], w) is None and layers_setting(None, w) is None
+        assert layers_setting([1, 29, 56], w) == [1, 29, 56] and layers_setting([29, 1, 57], w) == [29, 1, 57]
+        assert layers_setting([1, 29, 57], w, built=True) == [1, 29, 57]
+    assert layers_setting([1, 29, 57], unplain) == [1, 29, 57]
+    assert layers_setting([1, 29, 57], tmp_path / "missing") == [1, 29, 57]
+
+
 def test_replaced_shards_are_kept_most_recent_first_and_taken_back_also_from_half_moved_pairs(
         tmp_path, token_rows, weights, model):
     """The gather's prune with a cap keeps the shards it takes out in replaced/, by when they were

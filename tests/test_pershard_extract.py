@@ -158,7 +158,7 @@ def _length_limits(work: Path, where: str, new_id: str) -> None:
 
 def _compute_dtype(work: Path, where: str, new_id: str) -> None:
     """compute_dtype written out as the dtype the model declares (what auto loads) plans no shard job
-    and keeps every hidden shard; another dtype plans every shard's job (``where``/``new_id``:
+    and keeps every hidden shard, nor do the other settings below; another dtype plans every shard's job (``where``/``new_id``:
     unused). The demo model copied out of results/_assets/ first (weights a job builds are not read
     while jobs are planned): that move reruns every shard job, each keeping its shard."""
     before = _store(work)
@@ -177,6 +177,20 @@ def _compute_dtype(work: Path, where: str, new_id: str) -> None:
         if dtype == declared:
             snakemake(work, HIDDEN, *ONE_THREAD)
             assert _store(work) == before and all(r["resumed"] for r in _records(work).values())
+    # nor does writing out the default layers, SGLang's server arguments under the hf backend, or a
+    # file added to (or replaced in) the weights directory that is not the model's; other layers do
+    config["extraction"]["compute_dtype"] = declared
+    n_layers = json.loads((work / "models/demo/config.json").read_text())["num_hidden_layers"]
+    config["extraction"].update(layers=[1, n_layers // 2 - 1, n_layers - 4], sglang_server_args={"kv_cache_dtype": "fp8_e5m2"})
+    (work / "config/config.yaml").write_text(yaml.safe_dump(config))
+    (work / "models/demo/NOTES.md").write_text("where these weights came from\n")
+    generation_config = work / "models/demo/generation_config.json"
+    if generation_config.exists():
+        generation_config.write_bytes(generation_config.read_bytes())
+    assert planned_jobs(work, HIDDEN) == {}
+    config["extraction"]["layers"] = [1, 2, 3]
+    (work / "config/config.yaml").write_text(yaml.safe_dump(config))
+    assert planned_jobs(work, HIDDEN) == {"extract_shard": len(before), "extract": 1}
 
 
 def _revert(work: Path, where: str, new_id: str) -> None:

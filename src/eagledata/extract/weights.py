@@ -78,6 +78,39 @@ def compute_setting(compute_dtype: str, backend: str, weights: str | Path, built
     return "auto" if auto_dtype(weights) == compute_dtype else compute_dtype
 
 
+def declared_num_layers(weights: str | Path) -> int | None:
+    """The text model's decoder layer count its ``config.json`` declares, where that is plain: the
+    ``text_config``'s ``num_hidden_layers`` (a multimodal checkpoint's language model, as Kimi K2.5),
+    else the top level's when no other sub-config declares one. ``None`` when the config cannot be
+    read or says it another way (the caller then assumes nothing). Light: no transformers."""
+    try:
+        cfg = json.loads((Path(weights) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    text = cfg.get("text_config")
+    if isinstance(text, dict):
+        n = text.get("num_hidden_layers")
+        return n if isinstance(n, int) and not isinstance(n, bool) else None
+    nested = any(isinstance(v, dict) and "num_hidden_layers" in v for v in cfg.values())
+    n = cfg.get("num_hidden_layers")
+    return n if isinstance(n, int) and not isinstance(n, bool) and not nested else None
+
+
+def layers_setting(layers: Any, weights: str | Path, built: bool = False) -> Any:
+    """``extraction.layers`` as it decides the shards: ``None`` (the default, EAGLE-3's three layers)
+    also for the default layers written out, where the checkpoint's layer count is plain
+    (:func:`declared_num_layers`); else as given, and always for a weights directory a job builds.
+    Light (the Snakefile's rule param): no transformers."""
+    if layers is None or built or not isinstance(layers, list):
+        return layers
+    from eagledata.extract.layers import default_layers
+
+    n = declared_num_layers(weights)
+    return None if n is not None and n >= 5 and list(layers) == default_layers(n) else layers
+
+
 def model_files(weights: str | Path) -> list[Path]:
     """The files of a weights directory that make the model, sorted: ``config.json``, the weights
     (``*.safetensors``, ``*.bin``) and every other ``*.json`` (an index, a quantization config) but
