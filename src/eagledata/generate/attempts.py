@@ -377,22 +377,23 @@ class GenerationJob:
         reconciled (its cache line's cost is null), never settled at a guess (but on a local SGLang
         server, which bills nothing and has no record to reconcile from)."""
         cost = ans.cost
-        if cost is None and ans.ok and (ans.prompt_tokens is None or ans.completion_tokens is None) \
-                and self.work.settings.backend != "sglang":  # (a local server: no bill to reconcile from)
+        unknown = cost is None and ans.ok and (ans.prompt_tokens is None or ans.completion_tokens is None) \
+            and self.work.settings.backend != "sglang"
+        if unknown:
             if ref is not None:
                 self.ledger.orphan(ref, generation_id=gid, note="answer without usage: its cost is unknown")
             self.unpriced += 1
-        elif cost is None:
-            cost = self.price.cost(ans.prompt_tokens or 0, ans.completion_tokens or 0) if ans.ok else 0.0
-        if cost is not None:
+        else:
+            if cost is None:
+                cost = self.price.cost(ans.prompt_tokens or 0, ans.completion_tokens or 0) if ans.ok else 0.0
             self.settle(ref, ans, gid, cost)
-        if ans.ok and cost is not None:
-            self.cost += cost
-            self.prompt_tokens += ans.prompt_tokens or 0
-            self.completion_tokens += ans.completion_tokens or 0
-            self.progress.cost += cost
-            if cost > self.reserve_usd[item.cache_key] + 1e-12:
-                self.over_reservation += 1
+            if ans.ok:
+                self.cost += cost
+                self.prompt_tokens += ans.prompt_tokens or 0
+                self.completion_tokens += ans.completion_tokens or 0
+                self.progress.cost += cost
+                if cost > self.reserve_usd[item.cache_key] + 1e-12:
+                    self.over_reservation += 1
         if ans.ok:
             self.progress.completion_tokens += ans.completion_tokens or 0
         rec = {"id": item.id, "prompt_id": item.prompt_id, "sample_index": item.sample_index, "status": status,
