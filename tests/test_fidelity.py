@@ -252,7 +252,8 @@ def test_unreliable_reasoning_provider_still_gets_whitespace_repairs(k25, tmp_pa
     n, r = len(rc.ids), rc.reasoning_tokens
     assert r > 2
     records = [rec(f"ok{i}", content, n, r + d) for i, d in enumerate((-1, 5, -2, 7))]
-    records += [rec("stripped", content.lstrip(), n, r + 3), rec("wrong_total", content, n + 2, r - 2)]
+    records += [rec("stripped", content.lstrip(), n, r + 3), rec("stripped2", content.lstrip(), n, r - 1),  # two proofs
+                rec("wrong_total", content, n + 2, r - 2)]
     path = tmp_path / "r.jsonl"
     path.write_text("".join(json.dumps(x) + "\n" for x in records))
     res = build_token_shards(path, tmp_path / "t", tok, fam, "noisy")

@@ -75,6 +75,7 @@ def test_stripped_leading_space_is_repaired_only_when_unique(k25, tmp_path):
     rows, manifest = _judge(tok, fam, tmp_path, [
         _rec("honest", "Clean", r, true_c, _true_len(tok, fam, r, true_c), n_prompt),
         _rec("strip1", "Stripper", r, true_c.lstrip(), _true_len(tok, fam, r, true_c), n_prompt),
+        _rec("strip1b", "Stripper", r, true_c.lstrip(), _true_len(tok, fam, r, true_c), n_prompt),  # a second proof
         _rec("strip2", "Stripper", r, neutral.lstrip(), _true_len(tok, fam, r, neutral), n_prompt),
         _rec("strip42", "Stripper", r, "42 apples.", _true_len(tok, fam, r, " 42 apples."), n_prompt),
         _rec("clean-neutral", "Clean", r, neutral.lstrip(), _true_len(tok, fam, r, neutral.lstrip()), n_prompt),
@@ -104,7 +105,7 @@ def test_stripped_leading_space_is_repaired_only_when_unique(k25, tmp_path):
     assert not call["train"]
     # the same text from a provider never seen stripping stays exact
     assert rows["clean-neutral"]["verdict"] == "exact"
-    assert manifest["conventions"]["Stripper"]["transformations_seen"] == {"whitespace_restored": 1, "tool_id_rebuilt": 1}
+    assert manifest["conventions"]["Stripper"]["transformations_seen"] == {"whitespace_restored": 2, "tool_id_rebuilt": 1}
 
 
 def test_compact_json_arguments_are_respaced(k25, tmp_path):
@@ -115,12 +116,34 @@ def test_compact_json_arguments_are_respaced(k25, tmp_path):
     truth = _true_len(tok, fam, r, "", [ToolCall("functions.add:0", "add", spaced)], "tool_calls")
     rows, _ = _judge(tok, fam, tmp_path, [
         _rec("compact", "Groq-like", r, "", truth, n_prompt, [("functions.add:0", "add", compact)], "tool_calls"),
+        _rec("compact2", "Groq-like", r, "", truth, n_prompt, [("functions.add:0", "add", compact)], "tool_calls"),
         _rec("plain", "Groq-like", r, " ok", _true_len(tok, fam, r, " ok"), n_prompt),
     ])
     row = rows["compact"]
     assert row["verdict"] == "repaired" and "tool_arguments_respaced" in row["reasons"]
     args = [s for s in json.loads(row["segments"]) if s["kind"] == "tool_arguments"]
     assert args[0]["text"] == spaced
+
+
+def test_one_sample_alone_never_proves_a_repair(k25, tmp_path):
+    """A transformation is a provider's behaviour only with two samples evidencing it: one sample
+    whose billed count is off (a billing glitch) explains itself through a whitespace prefix and was
+    then 'repaired' with text the model never wrote; alone it stays a mismatch, never trained."""
+    tok, fam = k25
+    n_prompt = len(prompt_ids(tok, MSGS))
+    r, true_c = " Let me count.", " pneumonoultra is here."
+    text = true_c.lstrip()  # what the provider returned; its count as if a space had been stripped
+    rows, manifest = _judge(tok, fam, tmp_path, [
+        _rec("glitch", "P", r, text, _true_len(tok, fam, r, true_c), n_prompt),
+        _rec("fine", "P", r, " ok", _true_len(tok, fam, r, " ok"), n_prompt),
+        _rec("fine2", "P", r, " fine", _true_len(tok, fam, r, " fine"), n_prompt),
+    ])
+    g = rows["glitch"]
+    assert g["verdict"] == "mismatch" and "completion_count_mismatch" in g["reasons"] and not g["train"], g["reasons"]
+    assert g["input_ids"][g["prompt_len"]:] == reconstruct_completion(
+        ParsedResponse(streamed=False, reasoning=r, content=text, finish_reason="stop"), tok, fam).ids
+    assert rows["fine"]["verdict"] == rows["fine2"]["verdict"] == "exact"
+    assert "whitespace_restored" not in manifest["conventions"]["P"].get("transformations_seen", {})
 
 
 def test_conventions_are_only_the_known_two(k25):
@@ -205,6 +228,7 @@ def test_arguments_with_a_fraction_are_not_respaced(k25, tmp_path):
     priced = _true_len(tok, fam, r, "", [ToolCall("functions.f:0", "f", model)], "tool_calls")
     rows, _ = _judge(tok, fam, tmp_path, [
         _rec("compact", "Q", r, "", truth, n_prompt, [("functions.add:0", "add", compact)], "tool_calls"),
+        _rec("compact2", "Q", r, "", truth, n_prompt, [("functions.add:0", "add", compact)], "tool_calls"),
         _rec("plain", "Q", r, " ok", _true_len(tok, fam, r, " ok"), n_prompt),
         _rec("plain2", "Q", r, " fine", _true_len(tok, fam, r, " fine"), n_prompt),
         _rec("price", "Q", r, "", priced, n_prompt, [("functions.f:0", "f", sent)], "tool_calls"),

@@ -70,7 +70,7 @@ from eagledata.tokens.policy import resolve_policy
 from eagledata.tokens.responses import ParsedResponse
 from eagledata.tokens.samples import parse_record
 from eagledata.tokens.shards import (PASS1_SCHEMA, MAX_SHARD_FACTOR, Judge, ResponsesFileError, checked_record, is_boundary_id,
-                                     Learned, prune_shards, publish_shard, reconstruct_sample, transformations_seen, with_verdicts,
+                                     Learned, proven_repairs, prune_shards, publish_shard, reconstruct_sample, transformations_seen, with_verdicts,
                                      shard_name)
 
 log = logging.getLogger(__name__)
@@ -372,11 +372,12 @@ def refuse_stale_parts(loaded: Sequence[tuple[Path, Mapping[str, Any]]], fingerp
 
 def learn_repairs(learned_path: str | Path, part_paths: Sequence[str | Path], out_path: str | Path,
                   tokenizer: Tokenizer, family: ModelFamily) -> dict[str, Any]:
-    """``learned.json`` plus ``repairs``: per provider, the transformations some sample proves it
-    applies (searched on the samples needing a repair only, one part at a time)."""
+    """``learned.json`` plus ``repairs``: per provider, the transformations samples prove it applies
+    (searched on the samples needing a repair only, one part at a time; at least
+    :data:`~eagledata.tokens.shards.MIN_REPAIR_EVIDENCE` samples each, counted in ``repair_evidence``)."""
     learned = json.loads(Path(learned_path).read_text(encoding="utf-8"))
     judge = Judge(learned["conventions"], learned["reliability"], tokenizer, family)
-    found: dict[str, set[str]] = {}
+    found: dict[str, dict[str, int]] = {}
     for path in part_paths:
         df = pl.read_parquet(path, columns=[c for c in PART_SCHEMA if c not in ("input_ids", "segments")])
         stats = part_stats(df)
@@ -386,9 +387,12 @@ def learn_repairs(learned_path: str | Path, part_paths: Sequence[str | Path], ou
             continue
         segs = pl.read_parquet(path, columns=["segments", "finish_reason"])
         rows = [(i, (segs["segments"][i], segs["finish_reason"][i])) for i in need]
-        for provider, ts in judge.repair_behaviours(stats, judged, rows).items():
-            found.setdefault(provider, set()).update(ts)
-    learned["repairs"] = {p: sorted(ts) for p, ts in found.items()}
+        for provider, counts in judge.repair_behaviours(stats, judged, rows).items():
+            into = found.setdefault(provider, {})
+            for t, n in counts.items():
+                into[t] = into.get(t, 0) + n
+    learned["repairs"] = {p: sorted(ts) for p, ts in proven_repairs(found).items()}
+    learned["repair_evidence"] = found
     atomic_write_json(out_path, learned)
     return learned
 

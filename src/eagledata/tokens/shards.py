@@ -446,7 +446,7 @@ def _judge(out: Path, shard_files: list[str], stats: list[SampleStats], conventi
     def rows() -> Iterator[tuple[int, tuple]]:
         return enumerate(_shard_rows(out, shard_files, ["segments", "finish_reason"]))
 
-    learned = judge.repair_behaviours(stats, judged, rows())
+    learned = proven_repairs(judge.repair_behaviours(stats, judged, rows()))
     judge.apply_repairs(stats, judged, rows(), learned)
     judge.whitespace_check(stats, judged, rows(), learned)
     return judged
@@ -483,11 +483,12 @@ class Judge:
         return judged
 
     def repair_behaviours(self, stats: Sequence[SampleStats], judged: Sequence[Judgement],
-                          rows: Iterable[tuple[int, tuple]]) -> dict[str, set[str]]:
+                          rows: Iterable[tuple[int, tuple]]) -> dict[str, dict[str, int]]:
         """Round 1: which transformations does each provider apply? Evidence = a sample that exactly
         one single transformation explains. ``rows``: (sample index, (segments, finish_reason)); only
-        samples needing a repair are searched. The union over shards is the dataset's."""
-        learned: dict[str, set[str]] = {}
+        samples needing a repair are searched. Returns per provider the samples evidencing each
+        transformation; the sums over shards are the dataset's (:func:`proven_repairs`)."""
+        learned: dict[str, dict[str, int]] = {}
         for i, (segs, finish) in rows:
             if not repairable(judged[i].reasons):
                 continue
@@ -499,7 +500,9 @@ class Judge:
                                          only=(t,)).status == "unique"]
             behaviours = {_transform_family(t) for t in singles}
             if len(behaviours) == 1:  # stripping is one behaviour: it may hit reasoning and content alike
-                learned.setdefault(st.provider, set()).update(behaviours.pop())
+                counts = learned.setdefault(st.provider, {})
+                for t in behaviours.pop():
+                    counts[t] = counts.get(t, 0) + 1
         return learned
 
     def apply_repairs(self, stats: Sequence[SampleStats], judged: Sequence[Judgement],
@@ -547,6 +550,18 @@ class Judge:
         elif res.status == "ambiguous":
             j.reasons.append("repair_ambiguous")
             j.verdict = verdict_of(j.reasons)
+
+
+#: Samples a transformation needs as evidence before a provider is taken to apply it: one sample is no
+#: behaviour of a provider (a billed count off by one or two, a glitch, explains itself through a
+#: whitespace prefix, and that sample alone then "repaired" itself with text the model never wrote).
+MIN_REPAIR_EVIDENCE = 2
+
+
+def proven_repairs(evidence: Mapping[str, Mapping[str, int]]) -> dict[str, set[str]]:
+    """Per provider, the transformations at least :data:`MIN_REPAIR_EVIDENCE` samples evidence."""
+    out = {p: {t for t, n in counts.items() if n >= MIN_REPAIR_EVIDENCE} for p, counts in evidence.items()}
+    return {p: ts for p, ts in out.items() if ts}
 
 
 def _transform_family(transform: str) -> tuple[str, ...]:
