@@ -1040,7 +1040,7 @@ def test_a_shard_job_killed_right_after_publishing_its_shard_leaves_it_kept(tmp_
     plan = tmp_path / "plan.json"
     entry = _per_shard_plan(tokens, plan)[0]
     settings = ExtractionSettings(weights=str(weights), dtype="float32", device="cpu", batch_tokens=200,
-                                  code_fingerprint="code-1")
+                                  code_fingerprint="code-killed")  # (no other test's store holds it)
     store = tmp_path / "hidden.store"
     real_replace = os.replace
 

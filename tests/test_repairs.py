@@ -273,3 +273,29 @@ def test_a_stop_sequence_finish_casts_no_vote_and_engine_ids_prove_only_an_end_o
     rows, _ = _judge(tok2, fam2, tmp_path / "engine", engine)
     assert rows["eot"]["verdict"] == rows["eot2"]["verdict"] == "exact" and rows["eot"]["train"]
     assert rows["stop-string"]["verdict"] == "mismatch" and "stop_sequence_requested" in rows["stop-string"]["reasons"]
+
+
+def test_reasoning_alone_is_exact_only_where_the_reasoning_count_witnesses_its_end(k25, tmp_path):
+    """A provider whose parser never split the content off returns it all as reasoning: same total,
+    </think> after the content. Only the reasoning count can tell; where it is not reported, reported
+    as 0 (or not a checksum), a thinking answer of reasoning alone is not proven."""
+    tok, fam = k25
+    n_prompt = len(prompt_ids(tok, MSGS))
+    r = " Let me count the apples one by one. The answer is 42."
+    total = _true_len(tok, fam, r, "")
+    reasoning = reconstruct_completion(ParsedResponse(streamed=False, reasoning=r, content="", finish_reason="stop"),
+                                       tok, fam).reasoning_tokens
+
+    def rec(rid, details):
+        body = json.loads(_rec(rid, "P", r, "", total, n_prompt)["response_raw"])
+        if details is not None:
+            body["usage"]["completion_tokens_details"] = {"reasoning_tokens": details}
+        return {**_rec(rid, "P", r, "", total, n_prompt), "response_raw": json.dumps(body)}
+
+    other = [_rec(f"ok{i}", "P", r, " 42.", _true_len(tok, fam, r, " 42."), n_prompt) for i in range(3)]
+    rows, _ = _judge(tok, fam, tmp_path, other + [rec("unreported", None), rec("zero", 0), rec("witnessed", reasoning)])
+    for rid in ("unreported", "zero"):
+        assert rows[rid]["verdict"] == "mismatch" and "reasoning_boundary_unproven" in rows[rid]["reasons"], rows[rid]["reasons"]
+        assert not rows[rid]["train"]
+    assert rows["witnessed"]["verdict"] == "exact" and rows["witnessed"]["train"], rows["witnessed"]["reasons"]
+    assert all(rows[f"ok{i}"]["verdict"] == "exact" for i in range(3))

@@ -71,6 +71,11 @@ REASONS: dict[str, tuple[str, str]] = {
     "prompt_path_differs": ("info", "the engine's prompt ids differ from our chat-template rendering (the engine's are used)"),
     "tool_id_index_unexpected": ("info", "a native tool-call id's index differs from the conversation-wide count"),
     "reasoning_count_unreported": ("info", "the provider reports 0 reasoning tokens for a response with reasoning"),
+    "content_empty_after_reasoning": ("info", "a thinking answer of reasoning alone (no content, no tool call): only the "
+                                      "reasoning count witnesses where </think> falls"),
+    "reasoning_boundary_unproven": ("block", "a thinking answer of reasoning alone whose reasoning count is not reported, "
+                                    "reported as 0 or not a checksum: a provider that never split off the content "
+                                    "(all of it returned as reasoning) bills the same total, so </think> may be misplaced"),
     "reasoning_count_unchecked": ("info", "this provider's reasoning_tokens is learned not to be a checksum (it disagrees "
                                   "in both directions while the completion totals agree): the reasoning/content split "
                                   "was not count-checked, the completion total was"),
@@ -136,6 +141,9 @@ def structural_codes(sample: Sample, tokenizer: Tokenizer, family: ModelFamily) 
             codes.append("empty_response")
         if rc.thinking and sample.thinking_requested is not False and not rc.segment_text("reasoning"):
             codes.append("reasoning_missing")
+        if rc.thinking and rc.segment_text("reasoning") and not rc.segment_text("content") and not p.tool_calls \
+                and "ground_truth_ids" not in rc.flags:
+            codes.append("content_empty_after_reasoning")
         if p.completion_tokens is None:
             codes.append("completion_count_missing")
     codes.extend(_structure_codes(rc, tokenizer, family, truncated=p.finish_reason == "length" or p.error is not None))
@@ -326,6 +334,9 @@ def verdict(stats: SampleStats, convention: str, reasoning_checked: bool = True)
             codes.append("reasoning_count_unreported")
         elif br > 0 and br not in (stats.reasoning_len, stats.reasoning_len + 1):
             codes.append("reasoning_count_mismatch" if reasoning_checked else "reasoning_count_unchecked")
+    witnessed = reasoning_checked and br is not None and br > 0 and br in (stats.reasoning_len, stats.reasoning_len + 1)
+    if "content_empty_after_reasoning" in codes and not witnessed:
+        codes.append("reasoning_boundary_unproven")
     if stats.prompt_diff not in (None, 0):
         codes.append("prompt_count_mismatch")
     return verdict_of(codes), codes
