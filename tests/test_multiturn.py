@@ -97,6 +97,61 @@ def test_tool_result_spliced_with_native_ids_when_the_call_matches(k25):
     assert isinstance(none, ConversationEnd) and "without one" in none.reason
 
 
+def test_tool_results_answer_the_calls_one_to_one_or_the_conversation_ends(k25):
+    """Two calls sharing one id (or a result naming a call that is not there): one result was given to
+    both calls and the other dropped, so the model's next answer was paid for and trained on wrong
+    tool results. Results renamed wholesale (no id matches a call) still go by position."""
+    fam = k25[1]
+
+    def record(call_ids, result_ids):
+        calls = [{"id": i, "type": "function", "function": {"name": n, "arguments": '{"region": "eu"}'}}
+                 for i, n in zip(call_ids, "fg")]
+        return [{"role": "user", "content": "check"}, {"role": "assistant", "content": "", "tool_calls": calls},
+                *[{"role": "tool", "tool_call_id": i, "content": f"result {k} ({i})"} for k, i in enumerate(result_ids)],
+                {"role": "assistant", "content": "done"}, {"role": "user", "content": "thanks"}]
+
+    model = Reply(None, "", (ToolCallText("f", '{"region": "eu"}'), ToolCallText("g", '{"region": "eu"}')))
+    native = [fam.native_tool_call_id(n, i) for i, n in enumerate("fg")]
+    for calls, results in ((["call", "call"], ["call", "call"]), (["c1", "c2"], ["zz", "c1"]), (["c1", "c2"], ["c1", "c1"])):
+        end = turn_request(record(calls, results), [model], fam)
+        assert isinstance(end, ConversationEnd) and "one to one" in end.reason, (calls, results)
+    for results, expected in ((["c2", "c1"], ["result 1 (c1)", "result 0 (c2)"]),  # by id
+                              (["x1", "x2"], ["result 0 (x1)", "result 1 (x2)"])):  # renamed: by position
+        nxt = turn_request(record(["c1", "c2"], results), [model], fam)
+        assert [(m["tool_call_id"], m["content"]) for m in nxt if m["role"] == "tool"] == list(zip(native, expected))
+
+
+def test_a_tool_call_left_as_markup_in_the_text_is_a_call_in_the_next_turn(k25):
+    """A provider that returns the model's tool call as raw markup inside content (or reasoning): the
+    next turn reads it as the tokens stage does, a call answered by the original's tool result, not
+    text followed by the next user message (which paid for turns on an unanswered call)."""
+    from eagledata.generate.turns import reply_of
+
+    fam = k25[1]
+    record = [{"role": "user", "content": "status?"},
+              {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
+                                                                   "function": {"name": "status", "arguments": '{"region": "eu"}'}}]},
+              {"role": "tool", "tool_call_id": "c1", "content": "up"},
+              {"role": "assistant", "content": "It is up."},
+              {"role": "user", "content": "thanks"}]
+    markup = (f"Checking.{fam.tool_section_begin}{fam.tool_call_begin}functions.status:0{fam.tool_argument_begin}"
+              f'{{"region": "eu"}}{fam.tool_call_end}{fam.tool_section_end}')
+
+    def rec(**message):
+        body = {"id": "g", "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", **message}}],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 9}}
+        return {"status": 200, "request": {"messages": record[:1]}, "response_raw": json.dumps(body)}
+
+    for where in ("content", "reasoning"):
+        got = reply_of(rec(**{where: markup}), fam)
+        assert got.tool_calls == (ToolCallText("status", '{"region": "eu"}'),), where
+        assert (got.content if where == "content" else got.reasoning) == "Checking."
+        nxt = turn_request(record, [got], fam)
+        assert nxt[-1] == {"role": "tool", "tool_call_id": fam.native_tool_call_id("status", 0), "content": "up"}, where
+    plain = reply_of(rec(content="", reasoning="r"), fam)  # nothing misplaced: as returned ("" is not None)
+    assert plain == Reply("r", "", ())
+
+
 def test_a_mismatching_tool_call_ends_the_conversation_with_the_reason_and_keeps_its_turns(k25, tmp_path):
     """The model's call (or no call) cannot match an original with arguments outside the enum."""
     msgs = [{"role": "user", "content": "Check the status."},

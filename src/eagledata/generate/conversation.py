@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -128,16 +129,26 @@ def _splice(turn: Turn, message: Mapping[str, Any]) -> list[dict[str, Any]] | Co
     for a, b in zip(ours, theirs):
         if not arguments_equal(a["function"]["arguments"], _arguments_text(b["function"].get("arguments"))):
             return ConversationEnd(f"the model called {a['function']['name']} with other arguments than the original")
-    by_id = {r.get("tool_call_id"): r for r in turn.tool_results}
-    results = []
-    for mine, original in zip(ours, theirs):
-        result = by_id.get(original.get("id"))
-        if result is None and len(turn.tool_results) == len(theirs):
-            result = turn.tool_results[len(results)]
-        if result is None:
-            return ConversationEnd(f"the original record has no result for its call {original.get('id')!r}")
-        results.append({**result, "tool_call_id": mine["id"]})
-    return results
+    chosen = _results_in_call_order(theirs, turn.tool_results)
+    if isinstance(chosen, ConversationEnd):
+        return chosen
+    return [{**result, "tool_call_id": mine["id"]} for mine, result in zip(ours, chosen)]
+
+
+def _results_in_call_order(calls: list[Mapping[str, Any]], results: list[Mapping[str, Any]]) -> list | ConversationEnd:
+    """The original's tool results in the order of its calls: by id where they answer the calls one
+    to one; by position where no result names any call's id (a conversion that renamed or dropped
+    them) and there is one per call; else the conversation ends (duplicate ids, a result for a call
+    that is not there, a call without a result): one result given to two calls is no guess to make."""
+    ids = [c.get("id") for c in calls]
+    answered = [r.get("tool_call_id") for r in results]
+    if len(set(ids)) == len(ids) and Counter(answered) == Counter(ids):
+        by_id = {r.get("tool_call_id"): r for r in results}
+        return [by_id[i] for i in ids]
+    if not set(answered) & set(ids) and len(answered) == len(ids):
+        return list(results)
+    return ConversationEnd(f"the original record's tool results do not answer its calls one to one "
+                           f"(calls {ids}, results for {answered})")
 
 
 def _arguments_text(arguments: Any) -> str:

@@ -24,7 +24,10 @@ from typing import Any
 from eagledata.generate.cache import ResponseCache
 from eagledata.generate.conversation import ConversationEnd, Reply, turn_request
 from eagledata.generate.requests import DatasetWork, WorkItem, make_item, sample_id
+from eagledata.text.chat import request_thinking
+from eagledata.text.families import ModelFamily
 from eagledata.text.history import ToolCallText
+from eagledata.tokens.reconstruct import recover_text
 from eagledata.tokens.responses import parse_response
 
 
@@ -39,8 +42,12 @@ class TurnState:
     answered: dict[str, int] = field(default_factory=dict)  # conversation -> turns answered
 
 
-def reply_of(rec: dict[str, Any]) -> Reply | str:
-    """The model's reply in a cached record, or why it cannot be the next turn's history."""
+def reply_of(rec: dict[str, Any], family: ModelFamily) -> Reply | str:
+    """The model's reply in a cached record, or why it cannot be the next turn's history. A reply a
+    provider left partly in the wrong place (tool-call markup inside content or reasoning, reasoning
+    in think tags inside content) is read as the model wrote it, as the tokens stage reads it
+    (:func:`eagledata.tokens.reconstruct.recover_text`): its tool calls are calls, answered by the
+    next turn's tool results, never text."""
     if rec.get("status") != 200:
         return f"HTTP {rec.get('status')} (final error)"
     parsed = parse_response(rec.get("response_raw") or "", 200)
@@ -48,8 +55,14 @@ def reply_of(rec: dict[str, Any]) -> Reply | str:
         return f"no usable reply ({parsed.error.message if parsed.error else 'error'})"
     if parsed.finish_reason == "length":
         return "the reply was cut at max_tokens (finish_reason length)"
-    return Reply(parsed.reasoning, parsed.content,
-                 tuple(ToolCallText(c.name, c.arguments) for c in parsed.tool_calls))
+    reasoning, content, calls = parsed.reasoning, parsed.content, parsed.tool_calls
+    flags: list[str] = []
+    request = rec.get("chat_request") or rec.get("request") or {}
+    thinking_on = family.thinking and request_thinking(request) is not False
+    recovered = recover_text(parsed, family, thinking_on, flags)
+    if flags:  # else as returned (None and "" kept apart: the next turn's body, and its cache key, as before)
+        reasoning, content, calls = recovered[0] or None, recovered[1] or None, recovered[2]
+    return Reply(reasoning, content, tuple(ToolCallText(c.name, c.arguments) for c in calls))
 
 
 class TurnPlanner:
@@ -64,7 +77,7 @@ class TurnPlanner:
 
     def _reply(self, key: str, fh: Any) -> Reply | str:
         if key not in self.replies:
-            self.replies[key] = reply_of(self.cache.get(key, fh))
+            self.replies[key] = reply_of(self.cache.get(key, fh), self.work.settings.family)
         return self.replies[key]
 
     def advance(self) -> TurnState:

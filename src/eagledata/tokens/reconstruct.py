@@ -176,7 +176,7 @@ def reconstruct_completion(
     """
     flags: list[str] = []
     thinking_on = family.thinking and thinking is not False
-    reasoning, content, calls = _recover_text(parsed, family, thinking_on, flags)
+    reasoning, content, calls = recover_text(parsed, family, thinking_on, flags)
     stopped = parsed.error is None and parsed.finish_reason in STOP_REASONS
     truncated = parsed.finish_reason == "length"
     b = _Builder(tokenizer, family)
@@ -198,7 +198,7 @@ def reconstruct_completion(
     return Reconstruction(b.ids, b.segments, _unique(flags), rewrites, stopped, thinking_on)
 
 
-def _recover_text(parsed: ParsedResponse, family: ModelFamily, thinking_on: bool,
+def recover_text(parsed: ParsedResponse, family: ModelFamily, thinking_on: bool,
                   flags: list[str]) -> tuple[str, str, list[ToolCall]]:
     """(reasoning, content, tool calls) as the model wrote them: reasoning a provider left inside
     think tags in the content, and tool-call markup a provider left in the text, put back in place."""
