@@ -232,6 +232,25 @@ def test_sharegpt_lines_convert_and_errors_name_file_line_field(tmp_path):
         assert str(exc.value).startswith(f"{path}:2:") and field in str(exc.value), str(exc.value)
 
 
+def test_turns_that_conversations_share_are_paid_and_output_once(k25, tmp_path):
+    """Conversations that open alike (or differ only in original replies, which are never sent) send
+    one request for their shared turn: it is paid once and output once, not one training row per
+    conversation; with dedup off every conversation keeps its own row."""
+    def opening(cid, second, original="original"):
+        return {"id": cid, "messages": [{"role": "user", "content": "Hello!"}, {"role": "assistant", "content": original},
+                                        {"role": "user", "content": second}]}
+
+    prompts = write(tmp_path / "p.jsonl", [opening("h0", "one?"), opening("h1", "two?"), opening("h2", "one?", "other")])
+    cfg = multiturn_config(tmp_path, prompts, k25[0].source)
+    summary = generate_dataset(cfg, "d", tmp_path / "out.jsonl", log=quiet)
+    ids = [r["id"] for r in read_jsonl(tmp_path / "out.jsonl")]
+    assert ids == ["h0#t0", "h0#t1", "h1#t1"], ids  # h2 sends h0's requests: both of its turns are h0's
+    assert summary["dedup"]["shared_turns"] == ["h1#t0", "h2#t0", "h2#t1"] and summary["requested"] == 3
+    cfg["datasets"]["d"]["dedup"] = False
+    again = generate_dataset(cfg, "d", tmp_path / "all.jsonl", log=quiet)
+    assert again["requested"] == 0 and len(read_jsonl(tmp_path / "all.jsonl")) == 6
+
+
 def test_dedup_within_and_across_datasets_first_listed_keeps_it(k25, tmp_path):
     same = [{"role": "user", "content": "the same question"}]
     a = write(tmp_path / "a.jsonl", [{"id": "x1", "messages": same}, {"id": "x2", "messages": same},

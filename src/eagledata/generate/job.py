@@ -405,6 +405,7 @@ def summarize(run: Run, output_path: str | Path, elapsed: float) -> dict[str, An
     summary["dedup"] = {"enabled": bool(dataset_option(run.config, run.dataset, "dedup")),
                         "dropped": [d.to_dict() for d in run.work.duplicates]}
     if run.turn_state is not None:
+        summary["dedup"]["shared_turns"] = sorted(shared_turns(run))
         summary["turns"] = "all"
         summary["conversations"] = conversation_summary(run.turn_state, run.log, run.dataset)
     return summary
@@ -441,10 +442,25 @@ def output_record(rec: dict[str, Any], item: WorkItem) -> dict[str, Any]:
     return out
 
 
+def shared_turns(run: Run) -> set[str]:
+    """With ``turns: all`` and dedup on, the turns (item ids) whose request an earlier turn of the
+    dataset sent already (conversations sharing their opening, or differing only in replies never
+    sent): paid once, and output once, not trained on once per conversation."""
+    if run.turn_state is None or not dataset_option(run.config, run.dataset, "dedup"):
+        return set()
+    seen: set[str] = set()
+    shared = set()
+    for it in run.work.items:
+        (shared.add(it.id) if it.cache_key in seen else seen.add(it.cache_key))
+    return shared
+
+
 def write_output(run: Run, output_path: str | Path) -> tuple[int, list[str]]:
-    """``results/{dataset}/responses.jsonl`` from the cache, in prompt-file order, atomically;
-    returns the count and the ids answered with a final HTTP error."""
-    cache, items = run.cache, run.work.items
+    """``results/{dataset}/responses.jsonl`` from the cache, in prompt-file order (each turn an
+    earlier one shares left out: :func:`shared_turns`), atomically; returns the count and the ids
+    answered with a final HTTP error."""
+    cache, shared = run.cache, shared_turns(run)
+    items = [it for it in run.work.items if it.id not in shared]
     assert cache is not None
     error_ids: list[str] = []
 
