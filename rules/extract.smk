@@ -5,14 +5,7 @@
 # extract_shard_records (the plan's input functions).
 # The final hidden state is always stored BEFORE the final norm, with the norm's weight and eps
 # (eagledata.extract.norm): the SpecForge export derives the after-norm state, speculators reads it as is.
-
-if "final_norm" in config["extraction"]:
-    raise ValueError(
-        f"config extraction.final_norm ({config['extraction']['final_norm']!r}) was removed: every extraction "
-        "stores the final hidden state BEFORE the final norm with the norm's weight and epsilon, and both exports "
-        "(export.specforge: after the norm, derived; export.speculators: before it) read one extraction; "
-        "delete extraction.final_norm from the config"
-    )
+# (extraction.final_norm, removed, is refused with the config file named: eagledata.config.validate_config)
 
 
 # each dataset's extraction.max_seq_len / on_long, as they decide anything (eagledata.extract.limits): a param

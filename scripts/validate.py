@@ -23,7 +23,8 @@ except ValidationFailed as exc:
     report = json.loads(Path(sm.output.json).read_text(encoding="utf-8"))
     record_validation(history_path(sm.config["cache_dir"]), report, manifest)
     logging.error("%s\n%s", exc, render_summary(report))
-    print(f"eagledata: {exc}", file=sys.stderr)
+    # (validation.txt is removed with the job's outputs: the summary is in the log)
+    print(f"eagledata: {str(exc).split('; see ')[0]}; the summary is in {sm.log[0]}", file=sys.stderr)
     sys.exit(1)
 except Exception:
     logging.exception("validate failed")

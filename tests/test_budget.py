@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -769,3 +770,20 @@ def test_the_prompt_bound_covers_a_provider_that_declares_tools_as_json(k25):
         body = {"model": "m", "messages": messages, "tools": tools, "max_tokens": 5}
         billed = httpx.post(sim.base_url + "/chat/completions", json=body, timeout=30).json()["usage"]["prompt_tokens"]
     assert billed > estimate * 1.25 and billed <= upper, (estimate, billed, upper)
+
+
+def test_plan_fails_on_a_tokenizer_that_is_there_but_does_not_load(tmp_path, k25, capsys):
+    """A tokenizer directory whose vocabulary is damaged: `eagledata plan` says it cannot compute the
+    requests and exits 1 (the generate job's preflight refuses it too); it exited 0 as if it were a
+    tokenizer the workflow builds later."""
+    broken = shutil.copytree(k25[0].source, tmp_path / "broken-tokenizer")
+    (broken / "tiktoken.model").write_text("garbage\n")
+    cfg = make_config(tmp_path, write_prompts(tmp_path / "p.jsonl", 2, tools_every=0), str(broken))
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(json.dumps(cfg))
+    assert cli_main(["plan", "--config", str(cfg_path)]) == 1
+    out = capsys.readouterr().out
+    assert "cannot compute the requests (" in out and "tiktoken.model" in out, out
+    cfg["models"]["m"]["tokenizer"] = str(k25[0].source)
+    cfg_path.write_text(json.dumps(cfg))
+    assert cli_main(["plan", "--config", str(cfg_path)]) == 0

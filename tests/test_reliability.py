@@ -146,7 +146,8 @@ def test_unknown_key_message_names_file_path_and_nearest_key(tmp_path, mutate, e
     (lambda c: c["generation"].update(api_base="ftp://example.org/v1"), "generation.api_base: 'ftp://example.org/v1' does not match"),
     (lambda c: c["models"]["demo"].update(price_per_mtok={"prompt": 0.6}),
      "models.demo.price_per_mtok: 'completion' is a required property"),
-], ids=["nan", "inf", "float max_tokens", "api_base scheme", "half a price"])
+    (lambda c: c["extraction"].update(final_norm="after"), "extraction.final_norm: removed ('after')"),
+], ids=["nan", "inf", "float max_tokens", "api_base scheme", "half a price", "final_norm"])
 def test_values_a_request_cannot_carry_are_refused_before_anything_is_sent(tmp_path, mutate, expected):
     """NaN/Infinity (YAML .nan/.inf: not JSON), an integer written as 200.0 (JSON Schema counts it an
     integer; the API refuses "max_tokens": 200.0), a URL no HTTP client sends to, and a price with its

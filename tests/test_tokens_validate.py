@@ -219,3 +219,37 @@ def test_plain_openrouter_log_lines_import_like_recordings(k2, recorded, tmp_pat
     a, b = read_shards(tmp_path / "t-log"), read_shards(tmp_path / "t-orig")
     assert a["input_ids"].to_list() == b["input_ids"].to_list()
     assert a["verdict"].to_list() == b["verdict"].to_list()
+
+
+def test_explain_prints_both_verdicts_and_admission_and_refuses_bad_input_without_a_traceback(tmp_path, recorded, k2,
+                                                                                               capsys):
+    """`eagledata explain` on recorded samples: the combined verdict with the completion's and the
+    prompt's and whether the sample is in training; an unknown dataset and a config that is missing
+    or invalid are one-line errors (exit 2), not tracebacks."""
+    import yaml
+
+    from eagledata.cli import main as cli_main
+    from eagledata.tokens.shards import build_token_shards, read_shards
+
+    src = tmp_path / "rec.jsonl"
+    src.write_text("".join(json.dumps({**r, "id": f"r{i:03d}"}) + "\n" for i, r in enumerate(recorded[:30])))
+    build_token_shards(src, tmp_path / "results" / "rec" / "tokens", k2[0], k2[1], "rec")
+    row = next(read_shards(tmp_path / "results" / "rec" / "tokens").iter_rows(named=True))
+    cfg = {"results_dir": str(tmp_path / "results"), "cache_dir": str(tmp_path / "cache"),
+           "models": {"k2": {"family": "kimi-k2", "tokenizer": str(k2[0].source)}},
+           "datasets": {"rec": {"responses": str(src), "model": "k2"}}}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert cli_main(["explain", row["id"], "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert (f"verdict: {row['verdict']} (completion {row['completion_verdict']}, prompt {row['prompt_verdict']}); "
+            f"{'in training' if row['train'] else 'not in training'}") in out, out
+    assert cli_main(["explain", row["id"], "--dataset", "nosuch", "--config", str(path)]) == 2
+    assert "unknown dataset 'nosuch'" in capsys.readouterr().err
+    for command in (["explain", row["id"]], ["profiles"], ["budget"]):
+        assert cli_main([*command, "--config", str(tmp_path / "missing.yaml")]) == 2
+        assert "No such file or directory" in capsys.readouterr().err
+        path.write_text(yaml.safe_dump({**cfg, "budgett_usd": 1}))
+        assert cli_main([*command, "--config", str(path)]) == 2
+        assert "budgett_usd: unknown key" in capsys.readouterr().err
+        path.write_text(yaml.safe_dump(cfg))

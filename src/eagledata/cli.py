@@ -19,7 +19,7 @@ from pathlib import Path
 import polars as pl
 
 from eagledata.tokens.checks import explain as explain_codes
-from .config import load_config, load_model_tokenizer
+from .config import ConfigError, load_config, load_model_tokenizer
 
 
 def _find(config: dict, sample_id: str, dataset: str | None):
@@ -37,6 +37,10 @@ def _find(config: dict, sample_id: str, dataset: str | None):
 
 def cmd_explain(args: argparse.Namespace) -> int:
     config = load_config(args.config)
+    if args.dataset is not None and args.dataset not in config["datasets"]:
+        print(f"eagledata explain: unknown dataset {args.dataset!r}; the config's: {sorted(config['datasets'])}",
+              file=sys.stderr)
+        return 2
     name, row = _find(config, args.sample_id, args.dataset)
     if row is None:
         print(f"eagledata: no sample {args.sample_id!r} in the token shards of "
@@ -46,7 +50,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     ids = row["input_ids"]
     completion = ids[row["prompt_len"]:]
     print(f"sample {row['id']} (dataset {name}, provider {row['provider']}, finish {row['finish_reason']})")
-    print(f"verdict: {row['verdict']}")
+    print(f"verdict: {row['verdict']} (completion {row['completion_verdict']}, prompt {row['prompt_verdict']}); "
+          f"{'in training' if row['train'] else 'not in training'} (the dataset's validation.policy)")
     for line in explain_codes(row["reasons"]):
         print(f"  - {line}")
     print(f"prompt tokens: ours {row['prompt_len']}, billed {row['billed_prompt']} (diff {row['prompt_diff']})")
@@ -131,7 +136,14 @@ def main(argv: list[str] | None = None) -> int:
         sp.add_argument("rest", nargs=argparse.REMAINDER)
         sp.set_defaults(func=_passthrough(module))
     args = ap.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ConfigError as exc:  # a config that does not load or validate: its message names the file and key
+        print(f"eagledata {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as exc:
+        print(f"eagledata {args.command}: {exc.strerror}: {exc.filename}", file=sys.stderr)
+        return 2
 
 
 #: Subcommands whose arguments belong to another module's own ``main`` (``eagledata standin --help``).

@@ -217,6 +217,11 @@ def validate_config(config: dict, source: str = "config") -> dict:
         raise ConfigError(f"{source}: {where}: {e.message}")
     for e in defaults_validator(sch).iter_errors(config):  # valid as given: this pass only fills defaults
         raise ConfigError(f"{source}: {_key_path(e.absolute_path) or '(top level)'}: {e.message} (after defaults)")
+    if "final_norm" in config["extraction"]:
+        raise ConfigError(f"{source}: extraction.final_norm: removed ({config['extraction']['final_norm']!r}): every "
+                          "extraction stores the final hidden state BEFORE the final norm with the norm's weight and "
+                          "epsilon, and both exports (export.specforge: after the norm, derived; export.speculators: "
+                          "before it) read one extraction; delete the key")
     for name, ds in config["datasets"].items():
         if ds["model"] not in config["models"]:
             raise ConfigError(f"{source}: datasets.{name}.model: unknown model {ds['model']!r}; "

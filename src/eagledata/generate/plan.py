@@ -150,12 +150,16 @@ def plan_dataset(config: Mapping[str, Any], name: str, estimator: PromptEstimato
                 "note": f"bad input, generation would refuse it: {exc}"}
     except Exception as exc:  # noqa: BLE001 - e.g. the simulator's tokenizer is not built yet
         why = f"{type(exc).__name__}: {str(exc)[:120]}"
+        later = bool(tokenizer_problem(s.model, s.model_name)) and workflow_built(s.model["tokenizer"], config)
         if tokenizer_problem(s.model, s.model_name):  # say so, not what a hub lookup of the path said
             why = (f"tokenizer {s.model['tokenizer']} is built by the workflow and not built yet"
-                   if workflow_built(s.model["tokenizer"], config) else tokenizer_problem(s.model, s.model_name))
-        return {"dataset": name, "backend": s.backend, "samples": None, "cached": None, "to_request": 0,
-                "cost_low": 0.0, "cost_expected": None, "cost_worst": 0.0,
-                "note": f"cannot compute the requests yet ({why})"}
+                   if later else tokenizer_problem(s.model, s.model_name))
+        out = {"dataset": name, "backend": s.backend, "samples": None, "cached": None, "to_request": 0,
+               "cost_low": 0.0, "cost_expected": None, "cost_worst": 0.0,
+               "note": f"cannot compute the requests {'yet ' if later else ''}({why})"}
+        if not later:  # a tokenizer there but unreadable, say: the generate job refuses it too
+            out["error"] = f"cannot compute the requests: {why}"
+        return out
     cache = ResponseCache(Path(config["cache_dir"]) / name / "responses.jsonl")
     index = cache.load()
     price = price_bound(s)
