@@ -147,11 +147,21 @@ def test_unknown_key_message_names_file_path_and_nearest_key(tmp_path, mutate, e
     (lambda c: c["models"]["demo"].update(price_per_mtok={"prompt": 0.6}),
      "models.demo.price_per_mtok: 'completion' is a required property"),
     (lambda c: c["extraction"].update(final_norm="after"), "extraction.final_norm: removed ('after')"),
-], ids=["nan", "inf", "float max_tokens", "api_base scheme", "half a price", "final_norm"])
+    (lambda c: c["datasets"]["chat"].update(responses="r.jsonl"), "datasets.chat: give exactly one of `prompts`"),
+    (lambda c: c["datasets"]["chat"].pop("prompts"), "datasets.chat: give exactly one of `prompts`"),
+    (lambda c: c.setdefault("validation", {}).update(policy="lenient"),
+     "validation.policy: 'lenient' is not one of ['default', 'strict'"),
+    (lambda c: c.setdefault("validation", {}).update(policy={"completion": ["exactt"]}),
+     "validation.policy.completion.0: 'exactt' is not one of"),
+    (lambda c: c.setdefault("simulator", {}).update(provider="exactt"), "simulator.provider: unknown stand-in profile 'exactt'"),
+], ids=["nan", "inf", "float max_tokens", "api_base scheme", "half a price", "final_norm", "prompts and responses",
+        "neither", "policy preset", "policy mapping", "stand-in profile"])
 def test_values_a_request_cannot_carry_are_refused_before_anything_is_sent(tmp_path, mutate, expected):
     """NaN/Infinity (YAML .nan/.inf: not JSON), an integer written as 200.0 (JSON Schema counts it an
     integer; the API refuses "max_tokens": 200.0), a URL no HTTP client sends to, and a price with its
-    completion half left out (priced $0: the budget stopped nothing) are config errors naming the key."""
+    completion half left out (priced $0: the budget stopped nothing) are config errors naming the key;
+    so are the removed final_norm, a dataset with both or neither of prompts/responses, and values
+    outside a choice (named, with the choices: not "is not valid under any of the given schemas")."""
     from eagledata.config import ConfigError, load_config
 
     cfg = demo_config()

@@ -73,6 +73,17 @@ def _strict_validator() -> Any:
     return jsonschema.validators.extend(base, type_checker=integers)
 
 
+def _fitting_alternative(context: Any) -> list[Any]:
+    """Of a oneOf/anyOf failure's sub-errors, those of the alternatives whose type the value has (a
+    string's enum, not "is not of type 'object'"); all of them when none has."""
+    branches: dict[Any, list[Any]] = {}
+    for c in context:
+        branches.setdefault(c.schema_path[0] if c.schema_path else None, []).append(c)
+    fitting = [c for errs in branches.values() if not any(c.validator == "type" and not c.relative_path for c in errs)
+               for c in errs]
+    return fitting or list(context)
+
+
 def _non_finite(value: Any, path: list[Any]) -> tuple[list[Any], float] | None:
     """The key path and value of the first NaN or infinity in ``value`` (YAML's .nan, .inf), else
     None: no JSON request or file can carry one."""
@@ -195,9 +206,15 @@ def validate_config(config: dict, source: str = "config") -> dict:
 
     Raises :class:`ConfigError` naming ``source`` (the file), the key path and, for an unknown
     key, the nearest known one (every unknown key is listed, one per line)."""
+    import jsonschema
+
     if not isinstance(config, dict):
         raise ConfigError(f"{source}: the config must be a mapping of keys, got {type(config).__name__}")
     _check_dataset_names(config, source)
+    for name, ds in (config.get("datasets") or {}).items():
+        if isinstance(ds, dict) and ("prompts" in ds) == ("responses" in ds):
+            raise ConfigError(f"{source}: datasets.{name}: give exactly one of `prompts` (generate the responses) "
+                              f"or `responses` (import them), {'not both' if 'prompts' in ds else 'neither is set'}")
     bad = _non_finite(config, [])
     if bad is not None:
         raise ConfigError(f"{source}: {_key_path(bad[0])}: {bad[1]} is not a number JSON can carry")
@@ -213,8 +230,9 @@ def validate_config(config: dict, source: str = "config") -> dict:
         raise ConfigError("\n".join(unknown))
     if errors:
         e = errors[0]
-        where = _key_path(e.absolute_path) or "(top level)"
-        raise ConfigError(f"{source}: {where}: {e.message}")
+        # "not valid under any of the given schemas" says nothing: the alternative closest to the value does
+        e = jsonschema.exceptions.best_match(_fitting_alternative(e.context)) if e.context else e
+        raise ConfigError(f"{source}: {_key_path(e.absolute_path) or '(top level)'}: {e.message}")
     for e in defaults_validator(sch).iter_errors(config):  # valid as given: this pass only fills defaults
         raise ConfigError(f"{source}: {_key_path(e.absolute_path) or '(top level)'}: {e.message} (after defaults)")
     if "final_norm" in config["extraction"]:
@@ -226,6 +244,13 @@ def validate_config(config: dict, source: str = "config") -> dict:
         if ds["model"] not in config["models"]:
             raise ConfigError(f"{source}: datasets.{name}.model: unknown model {ds['model']!r}; "
                               f"defined: {sorted(config['models'])}")
+    provider = (config.get("simulator") or {}).get("provider", "exact")
+    if provider != "exact":  # (the profiles' module is heavy: only read for another profile)
+        from eagledata.standin.profiles import PROFILES
+
+        if provider not in PROFILES:
+            raise ConfigError(f"{source}: simulator.provider: unknown stand-in profile {provider!r}; "
+                              f"known: {', '.join(sorted(PROFILES))}")
     for name, m in config["models"].items():
         try:
             get_family(m["family"], config.get("families"))

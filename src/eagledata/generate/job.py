@@ -394,7 +394,7 @@ def summarize(run: Run, output_path: str | Path, elapsed: float) -> dict[str, An
         # answers that reported no cost nor token counts: held in the ledger until reconciled
         "unpriced": job.unpriced if job else 0,
         "prompt_tokens": job.prompt_tokens if job else 0, "completion_tokens": job.completion_tokens if job else 0,
-        "ledger": {"spent_usd": round(run.totals["spent"], 6), "held_usd": round(run.totals["held"], 6),
+        "ledger": {"spent_usd": round(run.totals["spent"], 6) + 0.0, "held_usd": round(run.totals["held"], 6) + 0.0,
                    "reconciled": run.reconciled},
         "elapsed_s": round(elapsed, 3), "request_phase_s": round(job.run_s, 3) if job else 0.0,
         "request_phase_cpu_s": round(job.run_cpu_s, 3) if job else 0.0,
