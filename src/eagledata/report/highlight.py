@@ -29,6 +29,8 @@ IMPLICATED: dict[str, tuple[str | None, str]] = {
     "tool_call_malformed": ("offending", "the tool-call ids (a call has no function name)"),
     "text_after_tool_section": ("suspect", "the end of the tool section: text returned after it is not in the ids"),
     "reasoning_missing": ("suspect", "</think>: no reasoning precedes it"),
+    "reasoning_boundary_unproven": ("suspect", "</think>: the content may have been returned inside the reasoning "
+                                               "before it"),
     "completion_count_mismatch": ("suspect", "boundary tokens where providers are known to deviate: the first token "
                                              "of reasoning and of content (stripped or added whitespace), the first and "
                                              "last token of tool arguments (re-serialized JSON), tool-call ids; and the "
@@ -58,6 +60,7 @@ IMPLICATED: dict[str, tuple[str | None, str]] = {
     "unknown_count_convention": (None, "no single token: the provider's other samples support neither known convention"),
     "reasoning_unexpected": (None, "no token: the reasoning text returned without thinking is not in the ids"),
     "reasoning_count_unreported": (None, "no token: the provider reports 0 reasoning tokens"),
+    "content_empty_after_reasoning": (None, "no token: the answer is reasoning alone"),
     "reasoning_count_unchecked": (None, "no token: this provider's reasoning count is not a checksum; the total was checked"),
     "ground_truth_ids": (None, "no token: the serving engine returned these ids itself"),
     "text_path_differs": (None, "no token marked: the engine's ids are used; the text path would have differed"),
@@ -116,7 +119,7 @@ def implicated_tokens(code: str, ids: Sequence[int], segments: Sequence[Mapping[
         pos = span(["tool_id"])
     elif code == "text_after_tool_section":
         pos = span(["tool_section_end"])
-    elif code == "reasoning_missing":
+    elif code in ("reasoning_missing", "reasoning_boundary_unproven"):
         pos = span(["think_close"])
     elif code == "completion_count_mismatch":
         for s in by_kind.get("reasoning", []) + by_kind.get("content", []):
