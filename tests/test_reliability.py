@@ -127,15 +127,22 @@ def test_every_object_of_the_schema_is_closed():
 def test_unknown_key_message_names_file_path_and_nearest_key(tmp_path, mutate, expected):
     """Proves (in process, every level): the message is 'FILE: KEY.PATH: unknown key; did you mean
     `KEY`?', also for a key written one block too high."""
+    path, message = _config_error(tmp_path, mutate)
+    assert message.startswith(f"{path}: {expected}"), message
+
+
+def _config_error(tmp_path, mutate) -> tuple[Path, str]:
+    """(the config file, the ConfigError's message) for the demo config changed by ``mutate``."""
     from eagledata.config import ConfigError, load_config
 
     cfg = demo_config()
+    cfg.setdefault("generation", {})
     mutate(cfg)
-    path = tmp_path / "typo.yaml"
+    path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(cfg))
     with pytest.raises(ConfigError) as err:
         load_config(path)
-    assert str(err.value).startswith(f"{path}: {expected}"), str(err.value)
+    return path, str(err.value)
 
 
 @pytest.mark.parametrize("mutate, expected", [
@@ -162,16 +169,8 @@ def test_values_a_request_cannot_carry_are_refused_before_anything_is_sent(tmp_p
     completion half left out (priced $0: the budget stopped nothing) are config errors naming the key;
     so are the removed final_norm, a dataset with both or neither of prompts/responses, and values
     outside a choice (named, with the choices: not "is not valid under any of the given schemas")."""
-    from eagledata.config import ConfigError, load_config
-
-    cfg = demo_config()
-    cfg.setdefault("generation", {})
-    mutate(cfg)
-    path = tmp_path / "bad.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    with pytest.raises(ConfigError) as err:
-        load_config(path)
-    assert str(err.value).startswith(f"{path}: {expected}"), str(err.value)
+    path, message = _config_error(tmp_path, mutate)
+    assert message.startswith(f"{path}: {expected}"), message
 
 
 @pytest.mark.workflow
