@@ -288,7 +288,7 @@ def worst_cases(run: Run, price: Price, items: Mapping[str, WorkItem] | None = N
     zero = [k for k in ("prompt", "completion") if getattr(price, k) == 0]
     if zero and run.settings.backend == "openrouter" and run.config.get("budget_usd") is not None:
         run.log(f"warning: {run.dataset}: {price.source} has a {' and '.join(zero)} price of 0, so reservations leave "
-                f"those tokens out and budget_usd is no hard cap: set the real price for one")
+                f"those tokens out and budget_usd is no hard cap: set the real prices")
     return reserve
 
 
@@ -451,7 +451,9 @@ def shared_turns(run: Run) -> set[str]:
     seen: set[str] = set()
     shared = set()
     for it in run.work.items:
-        (shared.add(it.id) if it.cache_key in seen else seen.add(it.cache_key))
+        if it.cache_key in seen:
+            shared.add(it.id)
+        seen.add(it.cache_key)
     return shared
 
 
