@@ -83,7 +83,8 @@ def cmd_profiles(args: argparse.Namespace) -> int:
     if not profiles:
         print(f"no validated runs recorded yet ({path})")
         return 0
-    print(f"provider fidelity over every validated run ({path}):")
+    print(f"provider fidelity over every validated run ({path}); exact/repair/mism/error: the verdicts of both "
+          "sides together (validation.txt's c.* columns count completions alone); c.ok: completions verified:")
     print(f"{'provider':<16}{'total':>7}{'exact':>7}{'repair':>7}{'mism':>7}{'error':>7}{'c.ok':>8}{'p.exact':>8}"
           "  convention   transformations seen; prompt variants; reasoning count")
     for name, p in profiles.items():
