@@ -1,4 +1,5 @@
 # Helpers shared by every stage: resolved settings, paths, input functions.
+import functools
 import hashlib
 import json
 import os
@@ -158,17 +159,10 @@ def weights_dir_input(wildcards):
     return weights if _built(weights) else ancient(weights)
 
 
-_LAYER_SETTINGS = {}  # (weights directory, layers) -> extract_layers (its config.json read once per process)
-
-
 def extract_layers(wildcards):
     """extraction.layers as it decides the shards (a param of each shard job): the default layers written
     out read as the default (null), so writing them out reruns no job (eagledata.extract.weights)."""
-    layers, weights = config["extraction"]["layers"], weights_input(wildcards)
-    key = (weights, json.dumps(layers))
-    if key not in _LAYER_SETTINGS:
-        _LAYER_SETTINGS[key] = layers_setting(layers, weights, built=_built(weights))
-    return _LAYER_SETTINGS[key]
+    return _layers_setting(weights_input(wildcards))
 
 
 def sglang_server_args():
@@ -177,20 +171,11 @@ def sglang_server_args():
     return canonical((ext.get("sglang_server_args") or {}) if ext["backend"] == "sglang" else {})
 
 
-_COMPUTE_SETTINGS = {}  # weights directory -> extract_compute_dtype (its config.json read once per process)
-
-
 def extract_compute_dtype(wildcards):
     """extraction.compute_dtype as it decides the forward (a param of each shard job). With the hf backend, the dtype
     the checkpoint declares reads as auto (what HF's auto loads), so writing it out reruns no job (the
     stored shards' resume key counts both as one too: eagledata.extract.core)."""
-    ext, weights = config["extraction"], weights_input(wildcards)
-    if weights not in _COMPUTE_SETTINGS:
-        _COMPUTE_SETTINGS[weights] = compute_setting(ext["compute_dtype"], ext["backend"], weights, built=_built(weights))
-    return _COMPUTE_SETTINGS[weights]
-
-
-_WEIGHT_FILES = {}  # weights directory -> its files (listed once per Snakemake process)
+    return _compute_setting(weights_input(wildcards))
 
 
 def weight_files_input(wildcards):
@@ -198,12 +183,24 @@ def weight_files_input(wildcards):
     what its model_fingerprint reads; not the tokenizer's or generation_config.json): a directory input
     alone is judged by the directory's own mtime, which a weight file rewritten in place does not
     change. A directory a rule builds (the demo model) is judged as that rule's output."""
-    weights = weights_input(wildcards)
-    if _built(weights):
-        return []
-    if weights not in _WEIGHT_FILES:
-        _WEIGHT_FILES[weights] = [str(p) for p in model_files(weights)]
-    return _WEIGHT_FILES[weights]
+    return _model_files(weights_input(wildcards))
+
+
+# What a weights directory says, read once per Snakemake process (every shard job's params and inputs ask)
+@functools.cache
+def _layers_setting(weights):
+    return layers_setting(config["extraction"]["layers"], weights, built=_built(weights))
+
+
+@functools.cache
+def _compute_setting(weights):
+    ext = config["extraction"]
+    return compute_setting(ext["compute_dtype"], ext["backend"], weights, built=_built(weights))
+
+
+@functools.cache
+def _model_files(weights):
+    return [] if _built(weights) else [str(p) for p in model_files(weights)]
 
 
 def dataset_targets(name):

@@ -24,7 +24,7 @@ except ValidationFailed as exc:
     record_validation(history_path(sm.config["cache_dir"]), report, manifest)
     logging.error("%s\n%s", exc, render_summary(report))
     # (validation.txt is removed with the job's outputs: the summary is in the log)
-    print(f"eagledata: {str(exc).split('; see ')[0]}; the summary is in {sm.log[0]}", file=sys.stderr)
+    print(f"eagledata: {exc.verdict}; the summary is in {sm.log[0]}", file=sys.stderr)
     sys.exit(1)
 except Exception:
     logging.exception("validate failed")

@@ -62,9 +62,10 @@ def defaults_validator(sch: Mapping[str, Any]) -> Any:
     return jsonschema.validators.extend(base, {"properties": properties_with_defaults})(sch)
 
 
+@functools.cache
 def _strict_validator() -> Any:
     """Draft 2020-12 where an ``integer`` is an int only: JSON Schema also counts 200.0 as one, which
-    a request would then carry as ``200.0`` (an API refuses it)."""
+    a request would then carry as ``200.0`` (an API refuses it). One class per process."""
     import jsonschema
 
     base = jsonschema.Draft202012Validator

@@ -14,15 +14,17 @@ from eagledata.generate.requests import cache_key
 from eagledata.io import ResponsesFileError, iter_json_lines, normalize_response_line
 
 
-def read_response_records(path: str | Path, dataset: str) -> Iterator[dict[str, Any]]:
+def read_response_records(path: str | Path, dataset: str, check_text: bool = False) -> Iterator[dict[str, Any]]:
     """Validate a responses file in the recorded format (``request``, ``status``,
     ``response_raw``; ``id`` optional, default ``<dataset>-<line:06d>``) and yield output records.
-    Extra fields (``source``, ``recorded``, ...) are kept."""
+    Extra fields (``source``, ``recorded``, ...) are kept. ``check_text``: refuse a string holding a
+    lone surrogate, naming it (a scan of every string: :func:`import_responses` asks for it only
+    after encoding failed)."""
     path = Path(path)
     seen: dict[str, int] = {}
     for lineno, where, rec in iter_json_lines(path, ResponsesFileError, "responses file"):
         rec = normalize_response_line(rec)
-        bad = _lone_surrogate(rec, [])
+        bad = _lone_surrogate(rec, []) if check_text else None
         if bad is not None:
             raise ResponsesFileError(f"{where}:{'.'.join(map(str, bad))}: a lone surrogate escape (\\ud800-\\udfff "
                                      "unpaired) is no Unicode text: it can be neither stored as UTF-8 nor encoded")
@@ -73,7 +75,12 @@ def _lone_surrogate(value: Any, path: list[Any]) -> list[Any] | None:
 
 def import_responses(source: str | Path, dataset: str, output_path: str | Path, log: Log = stderr_log) -> dict[str, Any]:
     """Validate ``source`` and write it atomically to ``output_path`` as the dataset's responses."""
-    n = write_jsonl_atomic(output_path, read_response_records(source, dataset))
+    try:
+        n = write_jsonl_atomic(output_path, read_response_records(source, dataset))
+    except UnicodeEncodeError:  # a lone surrogate escape somewhere: read again to name it
+        for _ in read_response_records(source, dataset, check_text=True):
+            pass
+        raise
     if n == 0:
         Path(output_path).unlink(missing_ok=True)
         raise ResponsesFileError(f"{source}: no responses (file is empty or blank)")

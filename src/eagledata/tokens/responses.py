@@ -411,9 +411,10 @@ class _StreamAssembly:
         if chunk.get("error"):
             out.error = _error_from(chunk["error"], "stream")
         for choice in chunk.get("choices") or ():
-            if choice.get("index", 0) != 0 or isinstance(choice.get("index"), bool):
+            index = choice.get("index", 0)
+            if index != 0 or isinstance(index, bool):
                 # the request asks one answer: a second choice would be merged into it
-                raise ValueError(f"stream chunk has a choice of index {choice.get('index')!r}: one answer expected")
+                raise ValueError(f"stream chunk has a choice of index {index!r}: one answer expected")
             self.choices = True
             delta = choice.get("delta")
             if delta:

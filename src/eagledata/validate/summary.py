@@ -46,7 +46,11 @@ _COLUMNS = ["id", "provider", "verdict", "completion_verdict", "prompt_verdict",
 
 
 class ValidationFailed(StageError):
-    pass
+    """The gate failed; ``verdict`` says by how much, ``summary_path`` where the summary was written."""
+
+    def __init__(self, verdict: str, summary_path: str | Path):
+        super().__init__(f"{verdict}; see {summary_path}")
+        self.verdict, self.summary_path = verdict, summary_path
 
 
 def _variant_label(rendering: dict[str, Any]) -> str | None:
@@ -205,6 +209,5 @@ def write_validation(tokens_dir: str | Path, json_path: str | Path, summary_path
         what = "completions" if bad_counts == "completion" else "samples"
         raise ValidationFailed(
             f"dataset {report['dataset']}: {report['bad_fraction']:.2%} of {what} are mismatch/error, above the "
-            f"limit {report['max_bad_fraction']:.2%} (validation.max_bad_fraction); see {summary_path}"
-        )
+            f"limit {report['max_bad_fraction']:.2%} (validation.max_bad_fraction)", summary_path)
     return report
