@@ -115,6 +115,28 @@ def test_validation_report_and_threshold(k25, synthetic, tmp_path):
     assert "FAILED" in (tmp_path / "v.txt").read_text()
 
 
+def test_one_sample_provider_shows_no_convention_and_the_failure_names_the_remedy(k25, tmp_path):
+    """A provider seen once is judged under no convention (its own count cannot prove one): the summary
+    shows it as unknown (not the convention its own vote picked), and the gate's failure names the
+    reason and what fixes it; a second sample gives each a convention to be judged under."""
+    tok, fam = k25
+    n_prompt = len(prompt_ids(tok, MSGS))
+    r, c = " Two plus three.", " It is 5."
+    true_len = len(tok.encode_plain(r)) + 1 + len(tok.encode_plain(c)) + 1
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps(_record(tok, "only", r, c, true_len, n_prompt)) + "\n")
+    build_token_shards(one, tmp_path / "t1", tok, fam, "one")
+    with pytest.raises(ValidationFailed, match=r"most often unknown_count_convention \(x1\).*at least two samples"):
+        write_validation(tmp_path / "t1", tmp_path / "v.json", tmp_path / "v.txt", 0.05)
+    assert json.loads((tmp_path / "v.json").read_text())["providers"]["P"]["convention"] == "unknown"
+    assert " unknown " in (tmp_path / "v.txt").read_text().splitlines()[5]
+    two = tmp_path / "two.jsonl"
+    two.write_text("".join(json.dumps(_record(tok, rid, r, c, true_len, n_prompt)) + "\n" for rid in ("a", "b")))
+    build_token_shards(two, tmp_path / "t2", tok, fam, "two")
+    rep = write_validation(tmp_path / "t2", tmp_path / "v2.json", tmp_path / "v2.txt", 0.05)
+    assert rep["providers"]["P"]["convention"] == "counts_eot" and rep["counts"]["completion"]["exact"] == 2
+
+
 def test_conventions_learned_on_recorded(k2, recorded, tmp_path):
     tok, fam = k2
     path = tmp_path / "rec.jsonl"

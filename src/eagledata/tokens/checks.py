@@ -48,7 +48,7 @@ REASONS: dict[str, tuple[str, str]] = {
     "completion_count_mismatch": ("block", "our completion token count differs from usage.completion_tokens under the provider's convention"),
     "reasoning_count_mismatch": ("block", "our reasoning token count differs from completion_tokens_details.reasoning_tokens (equal or +1 for </think> allowed)"),
     "prompt_count_mismatch": ("block", "our rendered prompt's token count differs from usage.prompt_tokens"),
-    "unknown_count_convention": ("block", "the provider's other samples support neither known convention (end-of-turn counted or not): a sample's own count cannot choose it"),
+    "unknown_count_convention": ("block", "the provider's other samples support neither known convention (end-of-turn counted or not): a sample's own count cannot choose it (a provider needs at least two samples ending in end of turn)"),
     "reasoning_missing": ("block", "thinking was requested but the response carries no reasoning"),
     "reasoning_unexpected": ("block", "reasoning text returned for a model or request without thinking"),
     "think_close_count": ("block", "a thinking completion must contain exactly one </think>"),

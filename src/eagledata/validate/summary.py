@@ -34,7 +34,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from eagledata.tokens.checks import PROMPT_VERDICTS, REASONS, VERDICTS
+from eagledata.tokens.checks import PROMPT_CODES, PROMPT_VERDICTS, REASONS, VERDICTS, convention_for
 from eagledata.tokens.shards import read_shards
 from eagledata.errors import StageError
 from eagledata.io import atomic_write_text
@@ -100,13 +100,34 @@ def _finish_provider(p: dict[str, Any], learned: dict[str, Any]) -> dict[str, An
         "prompt_variant_samples": {k: n for k, n in sorted(variants.items()) if k},
         "prompt_rendering": rendering, "reasoning_count": learned.get("reasoning_count") or {"checksum": True, "samples": 0},
         "admitted": p["admitted"], "admitted_share": _share(p["admitted"], total),
-        "convention": learned.get("convention", "unknown"),
+        "convention": standing_convention(learned),
         "convention_by_finish": {f: g["convention"] for f, g in sorted((learned.get("by_finish") or {}).items())},
         "convention_support": learned.get("support", {}),
         "transformations_seen": learned.get("transformations_seen", {}),
         "completion_diff": dict(sorted(p["cdiff"].items(), key=lambda kv: int(kv[0]))),
         "prompt_diff": dict(sorted(p["pdiff"].items(), key=lambda kv: int(kv[0]))),
     }
+
+
+def standing_convention(learned: dict[str, Any]) -> str:
+    """The convention a provider's samples are judged under, as the summary shows it: the learned one,
+    or ``unknown`` where a sample that voted for it would be judged under none (its only support is
+    that sample: see :func:`~eagledata.tokens.checks.convention_for`)."""
+    convention = learned.get("convention", "unknown")
+    if convention == "unknown" or convention_for({"p": learned}, "p", None, own_vote=convention) == "unknown":
+        return "unknown"
+    return convention
+
+
+def _top_reason(report: dict[str, Any]) -> str:
+    """The most frequent reason of the samples the gate counts as bad, for the failure message."""
+    completion_only = report.get("bad_counts") == "completion"
+    bad = {c: r for c, r in report["reasons"].items()
+           if r["severity"] in ("block", "error") and not (completion_only and c in PROMPT_CODES)}
+    if not bad:
+        return ""
+    code, r = max(bad.items(), key=lambda kv: kv[1]["count"])
+    return f"; most often {code} (x{r['count']}): {r['message']}"
 
 
 def summarize(tokens_dir: str | Path, max_bad_fraction: float, bad_counts: str = "completion") -> dict[str, Any]:
@@ -209,5 +230,5 @@ def write_validation(tokens_dir: str | Path, json_path: str | Path, summary_path
         what = "completions" if bad_counts == "completion" else "samples"
         raise ValidationFailed(
             f"dataset {report['dataset']}: {report['bad_fraction']:.2%} of {what} are mismatch/error, above the "
-            f"limit {report['max_bad_fraction']:.2%} (validation.max_bad_fraction)", summary_path)
+            f"limit {report['max_bad_fraction']:.2%} (validation.max_bad_fraction){_top_reason(report)}", summary_path)
     return report
