@@ -32,6 +32,15 @@ def k25():
 
 
 @pytest.fixture(scope="session")
+def k2_thinking():
+    from eagledata.text.families import get_family
+    from eagledata.text.tokenizer import load_tokenizer
+
+    fam = get_family("kimi-k2-thinking")
+    return load_tokenizer(need_shared("tokenizers", "kimi-k2-thinking"), fam), fam
+
+
+@pytest.fixture(scope="session")
 def k2():
     from eagledata.text.families import get_family
     from eagledata.text.tokenizer import load_tokenizer

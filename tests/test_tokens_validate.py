@@ -102,8 +102,8 @@ def test_validation_report_and_threshold(k25, synthetic, tmp_path):
     rep = summarize(tmp_path / "tokens", 1.0)
     assert rep["counts"] == {"total": 9, "exact": 3, "repaired": 1, "mismatch": 4, "error": 1, "excluded": 4, "included": 5,
                              "completion": {"exact": 4, "repaired": 1, "mismatch": 3, "error": 1},
-                             "prompt": {"exact": 7, "differs": 1, "unbilled": 1, "error": 0},
-                             "admitted_with_prompt_differs": 1}
+                             "prompt": {"exact": 7, "unproven": 0, "differs": 1, "unbilled": 1, "error": 0},
+                             "admitted_with_prompt_differs": 1, "admitted_with_prompt_unproven": 0}
     assert rep["reasons"]["truncated"]["ids"] == ["truncated"]
     # the gate counts bad completions (4 of 9) by default, the joint verdicts (5 of 9) with bad_counts: both
     assert rep["bad_fraction"] == round(4 / 9, 6)

@@ -10,7 +10,8 @@ from eagledata.report.routing import routing_advice
 from eagledata.tokens.checks import VERDICTS
 
 SCHEMA_VERSION = 2
-COUNT_KEYS = ("total", "exact", "repaired", "mismatch", "error", "excluded", "included", "admitted_with_prompt_differs")
+COUNT_KEYS = ("total", "exact", "repaired", "mismatch", "error", "excluded", "included", "admitted_with_prompt_differs",
+              "admitted_with_prompt_unproven")
 
 
 def aggregate_validations(validations: Mapping[str, Mapping[str, Any]], min_samples: int = 5,

@@ -49,6 +49,7 @@ IMPLICATED: dict[str, tuple[str | None, str]] = {
                                         "belong there)"),
     "tool_id_index_unexpected": ("suspect", "the tool-call ids (a native id's index differs from the conversation count)"),
     "prompt_count_mismatch": (None, "no completion token: the difference is in the prompt"),
+    "prompt_order_unproven": (None, "no completion token: the prompt's tool key order is unproven"),
     "prompt_unrenderable": (None, "no completion token: the prompt could not be rendered"),
     "http_error": (None, "no completion token: the provider answered with an error"),
     "error_in_body": (None, "no completion token: the provider answered with an error"),

@@ -159,6 +159,18 @@ def json_tool_declaration(c: Completion, ctx: QuirkContext) -> Completion:
     return replace(c, prompt_ids=ids, quirks=c.quirks + ["prompt:json_tools"])
 
 
+def unsorted_tool_declaration(c: Completion, ctx: QuirkContext) -> Completion:
+    """The provider declares the tools in the request's own key order, skipping the deep sort of the
+    model's tokenizer code (K2 Thinking, K2.5): the model saw, and the provider bills, that prompt. The
+    same keys in another order: usually the same number of tokens, other ids."""
+    tools = ctx.request.get("tools")
+    if not tools or ctx.tokenizer is None:
+        return c
+    ids = prompt_ids(ctx.tokenizer, ctx.request["messages"], tools, thinking=request_thinking(ctx.request),
+                     sort_tool_keys=False)
+    return replace(c, prompt_ids=ids, quirks=c.quirks + ["prompt:unsorted_tools"])
+
+
 def template_variant_minus_one(c: Completion, ctx: QuirkContext) -> Completion:
     """The provider's chat template renders one token fewer on every prompt (here: without the
     first token), with and without tools."""
@@ -255,6 +267,7 @@ PROFILES: dict[str, ProviderProfile] = {
         replace(_EXACT, name="noncanonical", completion_hooks=(noncanonical_split,)),
         _EXACT.with_hooks("no-eot-call-ids", rewrite_tool_ids, counts_end_of_turn=False),
         replace(_EXACT, name="json-tools", completion_hooks=(json_tool_declaration,)),
+        replace(_EXACT, name="unsorted-tools", completion_hooks=(unsorted_tool_declaration,)),
         replace(_EXACT, name="template-minus-one", completion_hooks=(template_variant_minus_one,)),
         replace(_EXACT, name="unreliable-reasoning", reasoning_count_noise=(-6, 9)),
         _EXACT.with_hooks("unreliable-reasoning-strip", strip_leading_whitespace, reasoning_count_noise=(-6, 9)),

@@ -87,15 +87,18 @@ def render_chat(
         raise ChatTemplateError(f"chat template failed: {exc}") from exc
 
 
-def declare_tools(tools: Sequence[Mapping[str, Any]] | None, tool_declaration: str) -> tuple[list | None, dict[str, Any]]:
-    """(tools, extra template variables) as the model's tokenizer code hands them to the template."""
+def declare_tools(tools: Sequence[Mapping[str, Any]] | None, tool_declaration: str,
+                  sort_keys: bool = True) -> tuple[list | None, dict[str, Any]]:
+    """(tools, extra template variables) as the model's tokenizer code hands them to the template.
+    ``sort_keys=False`` keeps the request's own key order where the model's code deep-sorts it (what a
+    provider that skips the model's tokenizer code renders; the ``typescript`` declaration only)."""
     if not tools:
         return None, {}
     if tool_declaration == "json":
         return list(tools), {}
     if tool_declaration != "typescript":
         raise ChatTemplateError(f"unknown tool declaration {tool_declaration!r} (json | typescript)")
-    tools = deep_sort(list(tools))
+    tools = deep_sort(list(tools)) if sort_keys else list(tools)
     try:
         declaration = typescript_tool_declaration(tools)
     except ToolDeclarationError:
@@ -108,6 +111,12 @@ def tool_declaration_of(tokenizer: Tokenizer) -> str:
     return getattr(tokenizer, "tool_declaration", "json")
 
 
+def sorts_tool_keys(tool_declaration: str) -> bool:
+    """Whether the model's own code deep-sorts the tools by key before declaring them (so a
+    rendering in the request's own key order is another prompt): the ``typescript`` declaration."""
+    return tool_declaration == "typescript"
+
+
 def prompt_text(
     tokenizer: Tokenizer,
     messages: Sequence[Mapping[str, Any]],
@@ -116,13 +125,15 @@ def prompt_text(
     template: str | None = None,
     add_generation_prompt: bool = True,
     tool_declaration: str | None = None,
+    sort_tool_keys: bool = True,
 ) -> str:
     """The rendered prompt text for ``messages``; ``tool_declaration`` overrides the tokenizer's
-    (``json`` renders what a provider that ignores the model's tokenizer code renders)."""
+    (``json`` renders what a provider that ignores the model's tokenizer code renders);
+    ``sort_tool_keys=False`` keeps the request's key order (see :func:`declare_tools`)."""
     tmpl = template or tokenizer.chat_template
     if not tmpl:
         raise ChatTemplateError(f"tokenizer {tokenizer.source} has no chat template; set chat_template in the model config")
-    declared, extra = declare_tools(tools, tool_declaration or tool_declaration_of(tokenizer))
+    declared, extra = declare_tools(tools, tool_declaration or tool_declaration_of(tokenizer), sort_tool_keys)
     return render_chat(tmpl, messages, declared, add_generation_prompt=add_generation_prompt, thinking=thinking, **extra)
 
 
@@ -134,9 +145,11 @@ def prompt_ids(
     template: str | None = None,
     add_generation_prompt: bool = True,
     tool_declaration: str | None = None,
+    sort_tool_keys: bool = True,
 ) -> list[int]:
     """Token ids of the prompt the model sees for ``messages`` (see :func:`prompt_text`)."""
-    text = prompt_text(tokenizer, messages, tools, thinking, template, add_generation_prompt, tool_declaration)
+    text = prompt_text(tokenizer, messages, tools, thinking, template, add_generation_prompt, tool_declaration,
+                       sort_tool_keys)
     return tokenizer.encode_with_specials(text)
 
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 from eagledata.errors import EagledataError
 
-__all__ = ["ToolDeclarationError", "deep_sort", "typescript_tool_declaration"]
+__all__ = ["ToolDeclarationError", "deep_sort", "in_deep_sorted_order", "typescript_tool_declaration"]
 
 INDENT = "  "
 FIELD_SEPARATOR = ",\n"
@@ -70,6 +70,17 @@ def deep_sort(value: Any) -> Any:
     if isinstance(value, list):
         return [deep_sort(item) for item in value]
     return value
+
+
+def in_deep_sorted_order(value: Any) -> bool:
+    """Whether every mapping in ``value`` already has its keys in sorted order, recursively: then
+    :func:`deep_sort` changes nothing (the same keys in the same order)."""
+    if isinstance(value, dict):
+        keys = list(value)
+        return keys == sorted(keys) and all(in_deep_sorted_order(v) for v in value.values())
+    if isinstance(value, list):
+        return all(in_deep_sorted_order(item) for item in value)
+    return True
 
 
 def comment(text: str, indent: str = "") -> str:

@@ -4,7 +4,9 @@ flagged with a machine-readable reason and a human sentence.
 Verdicts:
 
 * ``exact``: completion (and, where reported, reasoning and prompt) counts match the provider's
-  billed counts under the provider's count convention, and every structural check passes;
+  billed counts under the provider's count convention, and every structural check passes; a prompt
+  count proves the prompt only where no other rendering a provider is known to use has the same
+  count (the tools' keys in the request's own order: ``prompt_order_unproven``);
 * ``repaired``: as exact, but the text needed a known repair (a rebuilt tool-call id, tool markup
   moved out of text, reasoning split out of content);
 * ``mismatch``: any blocking reason (counts differ, truncated, lossy text, broken structure, ...);
@@ -25,6 +27,8 @@ from eagledata.tokens.reconstruct import STOP_REASONS
 from eagledata.tokens.samples import Sample
 from eagledata.text.tokenizer import Tokenizer
 
+#: ``SampleStats.prompt_alt``'s key for the tools declared in the request's own key order.
+UNSORTED_TOOLS = "unsorted_tools"
 COUNTS_EOT = "counts_eot"
 EXCLUDES_EOT = "excludes_eot"
 CONVENTIONS = (COUNTS_EOT, EXCLUDES_EOT)
@@ -48,6 +52,11 @@ REASONS: dict[str, tuple[str, str]] = {
     "completion_count_mismatch": ("block", "our completion token count differs from usage.completion_tokens under the provider's convention"),
     "reasoning_count_mismatch": ("block", "our reasoning token count differs from completion_tokens_details.reasoning_tokens (equal or +1 for </think> allowed)"),
     "prompt_count_mismatch": ("block", "our rendered prompt's token count differs from usage.prompt_tokens"),
+    "prompt_order_unproven": ("block", "the request's tools are not in the deep-sorted key order the model's own code "
+                                       "declares them in, and declaring them in the request's order is another prompt "
+                                       "of the same token count: the billed count cannot tell which one the provider "
+                                       "rendered, and this provider is not proven to sort them (the prompt ids may not "
+                                       "be what the model saw)"),
     "unknown_count_convention": ("block", "the provider's other samples support neither known convention (end-of-turn counted or not): a sample's own count cannot choose it (a provider needs at least two samples ending in end of turn)"),
     "reasoning_missing": ("block", "thinking was requested but the response carries no reasoning"),
     "reasoning_unexpected": ("block", "reasoning text returned for a model or request without thinking"),
@@ -101,7 +110,9 @@ class SampleStats:
     billed_reasoning: int | None
     codes: list[str] = field(default_factory=list)  # convention-independent reasons
     has_tools: bool = False
-    #: our prompt length under other renderings a provider may use (e.g. ``json_tools``)
+    #: our prompt length under other renderings a provider may use (``json_tools``; ``unsorted_tools``
+    #: only where the request's key order renders other ids, see
+    #: :func:`eagledata.tokens.samples.alternative_prompt_lengths`)
     prompt_alt: dict[str, int] | None = None
 
     def completion_diff(self, convention: str) -> int | None:
@@ -113,6 +124,19 @@ class SampleStats:
     @property
     def prompt_diff(self) -> int | None:
         return None if self.billed_prompt is None or self.prompt_len == 0 else self.prompt_len - self.billed_prompt
+
+    def key_order_vote(self) -> str | None:
+        """What the billed prompt count says about the tools' key order, where the request's own order
+        renders other ids than the deep-sorted one (else ``None``): ``sorted`` (only the canonical,
+        sorted rendering has the billed count), ``request_order`` (only the request's order has it),
+        ``tied`` (both have it: the count cannot tell) or ``None`` (neither)."""
+        alt = (self.prompt_alt or {}).get(UNSORTED_TOOLS)
+        if alt is None or self.billed_prompt is None or self.prompt_diff is None:
+            return None
+        canonical, request_order = self.prompt_diff == 0, alt == self.billed_prompt
+        if canonical and request_order:
+            return "tied"
+        return "sorted" if canonical else "request_order" if request_order else None
 
     def reasoning_diff(self) -> int | None:
         """Billed reasoning minus ours when the provider reports a positive count, else ``None``."""
@@ -359,7 +383,7 @@ def repairable(codes: list[str]) -> bool:
     """A completion whose only blocking reasons are completion count differences (a repair may
     explain them). A prompt count mismatch is judged separately: it keeps the sample a mismatch
     either way, but the completion ids can still be repaired."""
-    blocking = {c for c in codes if REASONS[c][0] in ("block", "error")} - {"prompt_count_mismatch"}
+    blocking = {c for c in codes if REASONS[c][0] in ("block", "error")} - PROMPT_CODES
     return bool(blocking) and blocking <= COUNT_CODES
 
 
@@ -370,7 +394,7 @@ def completion_verified(codes: list[str]) -> bool:
 
 #: Reasons about the prompt side only; every other reason is about the completion (or the whole
 #: record: an error, an unrenderable prompt).
-PROMPT_CODES = frozenset({"prompt_count_mismatch", "prompt_path_differs"})
+PROMPT_CODES = frozenset({"prompt_count_mismatch", "prompt_order_unproven", "prompt_path_differs"})
 
 
 def completion_verdict(codes: list[str]) -> str:
@@ -379,15 +403,21 @@ def completion_verdict(codes: list[str]) -> str:
     return verdict_of([c for c in codes if c not in PROMPT_CODES])
 
 
-def prompt_verdict(stats: SampleStats) -> str:
-    """The prompt's verdict: ``exact`` (our canonical rendering has the billed count), ``differs``,
-    ``unbilled`` (no prompt count to check against) or ``error`` (the prompt could not be rendered)."""
+def prompt_verdict(stats: SampleStats, sorts_tool_keys: bool = False) -> str:
+    """The prompt's verdict: ``exact`` (our canonical rendering has the billed count, and no other
+    rendering a provider is known to use has it too), ``unproven`` (it has the billed count, but so
+    has the tools' declaration in the request's own key order, which is other ids, and the provider
+    is not proven to sort the keys: ``sorts_tool_keys``, learned from its other samples, see
+    :func:`eagledata.tokens.learning.provider_sorts_tool_keys`), ``differs``, ``unbilled`` (no prompt
+    count to check against) or ``error`` (the prompt could not be rendered)."""
     if "prompt_unrenderable" in stats.codes:
         return "error"
     diff = stats.prompt_diff
     if diff is None:
         return "unbilled"
-    return "exact" if diff == 0 else "differs"
+    if diff != 0:
+        return "differs"
+    return "unproven" if stats.key_order_vote() == "tied" and not sorts_tool_keys else "exact"
 
 
 def _has(codes: list[str], severity: str) -> bool:
@@ -399,4 +429,4 @@ def explain(codes: Iterable[str]) -> list[str]:
 
 
 VERDICTS = ("exact", "repaired", "mismatch", "error")
-PROMPT_VERDICTS = ("exact", "differs", "unbilled", "error")
+PROMPT_VERDICTS = ("exact", "unproven", "differs", "unbilled", "error")

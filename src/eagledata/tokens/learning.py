@@ -10,8 +10,16 @@
 * **prompt rendering variant**: a provider whose billed prompt counts are explained on every sample
   by one rendering (ours, or the tools declared as JSON instead of the model's TypeScript style)
   plus one constant, other than ours exactly, has a named variant (``offset+1``, ``json_tools``,
-  ``json_tools+offset-2``). It is reported, never applied: our prompt ids stay the canonical rendering
-  and the prompt verdict stays ``differs``.
+  ``json_tools+offset-2``, ``unsorted_tools``: the tools' keys in the request's own order). It is
+  reported, never applied: our prompt ids stay the canonical rendering and the prompt verdict stays
+  ``differs``.
+* **tool key order**: Kimi K2 Thinking's and K2.5's own code deep-sorts the tools by key; a provider
+  that skips it renders the request's key order, usually with the same token count, so a matching
+  count alone does not prove the prompt (``unproven``, :func:`~eagledata.tokens.checks.prompt_verdict`).
+  Samples whose two orders render to different counts show which one the provider uses: a provider
+  with at least :data:`MIN_VARIANT_SAMPLES` samples billed as sorted and none as the request's order
+  is proven to sort (``tool_key_order.sorts_keys``), and its tied samples are ``exact``. A tied sample
+  casts no vote, so none proves itself.
 
 Both are learned from :class:`~eagledata.tokens.checks.SampleStats` only, so they can be summed from
 per-shard summaries.
@@ -19,14 +27,19 @@ per-shard summaries.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any, Iterable, Mapping
 
-from eagledata.tokens.checks import REASONS, SampleStats, convention_for
+from eagledata.tokens.checks import REASONS, UNSORTED_TOOLS, SampleStats, convention_for
 
 #: Fewer samples than this never make a rendering variant (one sample is not a pattern).
 MIN_VARIANT_SAMPLES = 3
 JSON_TOOLS = "json_tools"
+#: The renderings a provider's prompt variant is looked for under, in this order.
+RENDERINGS = ("canonical", JSON_TOOLS, UNSORTED_TOOLS)
+#: The votes of :meth:`~eagledata.tokens.checks.SampleStats.key_order_vote` a provider's
+#: ``tool_key_order`` counts.
+KEY_ORDER_VOTES = ("sorted", "request_order", "tied")
 
 
 def learn_reasoning_reliability(stats: Iterable[SampleStats], conventions: Mapping[str, Mapping]) -> dict[str, dict[str, Any]]:
@@ -78,7 +91,26 @@ def learn_prompt_variants(stats: Iterable[SampleStats]) -> dict[str, dict[str, A
     for s in stats:
         if s.prompt_diff is not None:
             groups[s.provider].append(s)
-    return {provider: _variant_of(rows) for provider, rows in groups.items()}
+    out = {provider: _variant_of(rows) for provider, rows in groups.items()}
+    for provider, rows in groups.items():
+        votes = Counter(v for v in (s.key_order_vote() for s in rows) if v is not None)
+        if votes:
+            out[provider]["tool_key_order"] = key_order_learned(votes)
+    return out
+
+
+def key_order_learned(votes: Mapping[str, int]) -> dict[str, Any]:
+    """A provider's ``tool_key_order`` from its samples' key-order votes: the counts, and
+    ``sorts_keys`` (at least :data:`MIN_VARIANT_SAMPLES` samples billed as the sorted rendering and
+    none as the request's own order)."""
+    counts = {k: int(votes.get(k, 0)) for k in KEY_ORDER_VOTES}
+    return {**counts, "sorts_keys": counts["sorted"] >= MIN_VARIANT_SAMPLES and counts["request_order"] == 0}
+
+
+def provider_sorts_tool_keys(variants: Mapping[str, Mapping[str, Any]], provider: str) -> bool:
+    """Whether ``provider`` is proven to declare the tools deep-sorted, as the model's code does
+    (:func:`key_order_learned`)."""
+    return bool(((variants.get(provider) or {}).get("tool_key_order") or {}).get("sorts_keys"))
 
 
 def _variant_of(rows: list[SampleStats]) -> dict[str, Any]:
@@ -95,7 +127,7 @@ def _variant_of(rows: list[SampleStats]) -> dict[str, Any]:
 def _one_variant(rows: list[SampleStats]) -> dict[str, Any]:
     with_tools = sum(s.has_tools for s in rows)
     base = {"samples": len(rows), "with_tools": with_tools, "without_tools": len(rows) - with_tools}
-    for rendering in ("canonical", JSON_TOOLS):
+    for rendering in RENDERINGS:
         diffs = {diff_under(s, rendering) for s in rows}
         if len(diffs) != 1 or None in diffs:
             continue
@@ -109,16 +141,20 @@ def _one_variant(rows: list[SampleStats]) -> dict[str, Any]:
 
 
 def diff_under(s: SampleStats, rendering: str) -> int | None:
-    """Ours minus billed under ``rendering`` (``None``: that rendering was not measured)."""
+    """Ours minus billed under ``rendering`` (``None``: that rendering was not measured). The tools in
+    the request's key order are measured only where they render other ids than ours: absent, they are
+    ours."""
     if rendering == "canonical" or not s.has_tools:
         return s.prompt_diff
     n = (s.prompt_alt or {}).get(rendering)
+    if rendering == UNSORTED_TOOLS and n is None:
+        return s.prompt_diff
     return None if n is None or s.billed_prompt is None else n - s.billed_prompt
 
 
 def variant_name(rendering: str, offset: int) -> str:
     """``offset+1`` (ours is one token longer than billed on every prompt), ``json_tools``,
-    ``json_tools+offset-2``."""
+    ``json_tools+offset-2``, ``unsorted_tools``."""
     parts = [] if rendering == "canonical" else [rendering]
     if offset:
         parts.append(f"offset{offset:+d}")

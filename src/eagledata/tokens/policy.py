@@ -1,16 +1,20 @@
 """Admission policies: which samples enter training and extraction, from both verdicts.
 
 Every sample has a completion verdict (``exact`` | ``repaired`` | ``mismatch`` | ``error``) and a
-prompt verdict (``exact`` | ``differs`` | ``unbilled`` | ``error``), see :mod:`eagledata.tokens.checks`. A
-policy names the admitted values of each. Presets (``validation.policy`` in the config):
+prompt verdict (``exact`` | ``unproven`` | ``differs`` | ``unbilled`` | ``error``), see
+:mod:`eagledata.tokens.checks`. A policy names the admitted values of each. Presets
+(``validation.policy`` in the config):
 
 * ``default``: completion exact or repaired, whatever the provider's prompt rendering was. The
   completion is what the drafter is trained on; our prompt ids are always the canonical rendering of
-  the request, so a provider that rendered it differently is reported, not a reason to drop a proven
+  the request, so a provider that rendered it differently (``differs``), or may have (``unproven``:
+  the tools' key order, which the count cannot see), is reported, not a reason to drop a proven
   completion. A prompt that could not be rendered is never admitted.
 * ``strict``: exact on both sides.
 * ``exact`` / ``exact+repaired``: completion exact (or repaired) and the prompt not shown to differ
-  (exact, or unbilled when the provider reports no prompt count).
+  (exact, or unbilled when the provider reports no prompt count). An ``unproven`` prompt is not
+  admitted: a known other rendering (the request's key order) has its count, as a ``differs`` one
+  is not.
 * ``all``: everything but errors (for inspection, never for training on real data).
 
 A mapping ``{completion: [...], prompt: [...]}`` gives the sets directly.
@@ -25,7 +29,7 @@ from eagledata.errors import InputError
 from eagledata.tokens.checks import PROMPT_VERDICTS, VERDICTS
 
 _PROVEN = ("exact", "repaired")
-_PROMPT_RENDERED = ("exact", "differs", "unbilled")
+_PROMPT_RENDERED = ("exact", "unproven", "differs", "unbilled")
 
 
 class PolicyError(InputError):  # an InputError, so still a ValueError

@@ -11,11 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from eagledata.text.chat import ChatTemplateError, prompt_ids, request_thinking, tool_declaration_of
+from eagledata.text.chat import ChatTemplateError, prompt_ids, request_thinking, sorts_tool_keys, tool_declaration_of
 from eagledata.text.families import ModelFamily
 from eagledata.tokens.reconstruct import Reconstruction, count_tool_calls, reconstruct_completion, segment_ids
 from eagledata.tokens.responses import ParsedResponse, ResponseError, parse_response
 from eagledata.text.tokenizer import Tokenizer
+from eagledata.text.tool_declaration import in_deep_sorted_order
+
+#: The alternative rendering with the tools declared in the request's own key order (see
+#: :func:`alternative_prompt_lengths`).
+UNSORTED_TOOLS = "unsorted_tools"
 
 
 @dataclass
@@ -27,6 +32,8 @@ class Sample:
     completion: Reconstruction
     thinking_requested: bool | None
     prompt_error: str | None = None
+    #: the prompt ids are the serving engine's own (not our rendering): nothing to prove
+    prompt_from_engine: bool = False
 
     @property
     def input_ids(self) -> list[int]:
@@ -69,31 +76,46 @@ def tokenize_record(
         p_ids, prompt_error = [], f"prompt could not be rendered: {exc}"
     completion = reconstruct_completion(parsed, tokenizer, family, count_tool_calls(messages), thinking)
     truth = record.get("token_ids")
+    from_engine = False
     if isinstance(truth, list) and parsed.error is None:
         completion = _ground_truth(truth, completion, tokenizer, family)
         server_prompt = record.get("prompt_token_ids") or request.get("input_ids")
         if isinstance(server_prompt, list):
             if server_prompt != p_ids:
                 completion.flags.append("prompt_path_differs")
-            p_ids, prompt_error = list(server_prompt), None
+            p_ids, prompt_error, from_engine = list(server_prompt), None, True
         if parsed.provider is None:
             parsed.provider = str(record.get("backend") or "sglang")
-    return Sample(sample_id, request, parsed, p_ids, completion, thinking, prompt_error)
+    return Sample(sample_id, request, parsed, p_ids, completion, thinking, prompt_error, from_engine)
 
 
-def alternative_prompt_lengths(sample: Sample, tokenizer: Tokenizer, template: str | None = None) -> dict[str, int]:
+def alternative_prompt_lengths(sample: Sample, tokenizer: Tokenizer, template: str | None = None,
+                               json_tools: bool = True) -> dict[str, int]:
     """Our prompt length under renderings other than the canonical one that providers are known to
-    use: ``json_tools`` (the tools declared as JSON, for a family whose own declaration is not JSON).
-    Measurements for learning a provider's variant; they never replace the canonical prompt ids."""
+    use, for a request with tools: ``json_tools`` (the tools declared as JSON, for a family whose own
+    declaration is not JSON; skipped with ``json_tools=False``) and ``unsorted_tools`` (the tools in
+    the request's own key order, for a family whose model code deep-sorts them; present only when
+    that rendering's ids differ from the canonical ones: where it is absent, the order does not
+    matter). Measurements for learning a provider's variant and for telling whether the billed count
+    can prove the key order; they never replace the canonical prompt ids. A prompt the serving engine
+    returned itself (:attr:`Sample.prompt_from_engine`) has nothing to measure."""
     request = sample.request
-    if not request.get("tools") or tool_declaration_of(tokenizer) == "json":
+    tools = request.get("tools")
+    declaration = tool_declaration_of(tokenizer)
+    if not tools or declaration == "json" or sample.prompt_from_engine or sample.prompt_error:
         return {}
-    try:
-        ids = prompt_ids(tokenizer, request.get("messages") or [], request.get("tools"), thinking=sample.thinking_requested,
-                         template=template, tool_declaration="json")
-    except (ChatTemplateError, TypeError, KeyError, AttributeError):
-        return {}
-    return {"json_tools": len(ids)}
+    messages, out = request.get("messages") or [], {}
+    renderings = [("json_tools", {"tool_declaration": "json"})] if json_tools else []
+    if sorts_tool_keys(declaration) and not in_deep_sorted_order(tools):
+        renderings.append((UNSORTED_TOOLS, {"sort_tool_keys": False}))
+    for name, how in renderings:
+        try:
+            ids = prompt_ids(tokenizer, messages, tools, thinking=sample.thinking_requested, template=template, **how)
+        except (ChatTemplateError, TypeError, KeyError, AttributeError):
+            continue
+        if name != UNSORTED_TOOLS or ids != sample.prompt_ids:
+            out[name] = len(ids)
+    return out
 
 
 def _ground_truth(ids: list[int], text_path: Reconstruction, tokenizer: Tokenizer, family: ModelFamily) -> Reconstruction:

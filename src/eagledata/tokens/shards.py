@@ -5,7 +5,7 @@ Columns of every shard: ``id``, ``provider``, ``model``, ``finish_reason``, ``st
 ``billed_completion``, ``billed_reasoning``, ``completion_diff`` (ours minus billed under the
 provider's convention), ``prompt_diff``, ``flags`` (reconstruction flags), ``verdict`` (both sides
 together: a differing prompt makes it ``mismatch``), ``completion_verdict`` (exact | repaired |
-mismatch | error), ``prompt_verdict`` (exact | differs | unbilled | error), ``prompt_variant`` (the
+mismatch | error), ``prompt_verdict`` (exact | unproven | differs | unbilled | error), ``prompt_variant`` (the
 provider's learned rendering variant explaining a differing prompt, else null), ``reasons``,
 ``train`` (the dataset's policy admits the sample, see :mod:`eagledata.tokens.policy`), ``segments`` and
 ``tool_id_rewrites`` (JSON), ``repair`` (evidence, JSON), ``cost``. ``manifest.json`` lists shards
@@ -64,8 +64,8 @@ import polars as pl
 
 from eagledata.tokens.checks import (COUNT_CODES, REASONS, SampleStats, completion_verdict, convention_for, count_vote,
                      learn_conventions, prompt_verdict, repairable, sample_stats, verdict, verdict_of)
-from eagledata.tokens.learning import (learn_prompt_variants, learn_reasoning_reliability, reasoning_checked, reasoning_vote,
-                                      sample_variant)
+from eagledata.tokens.learning import (learn_prompt_variants, learn_reasoning_reliability, provider_sorts_tool_keys,
+                                      reasoning_checked, reasoning_vote, sample_variant)
 from eagledata.tokens.policy import Policy, resolve_policy
 from eagledata.tokens.repairs import (WHITESPACE_CONTENT, WHITESPACE_REASONING, RepairResult, applicable_transforms,
                       parsed_from_segments, search_repairs)
@@ -301,8 +301,8 @@ def reconstruct_sample(rec: dict[str, Any], sid: str, tokenizer: Tokenizer, fami
     """One record's stats and part row (``parsed``: its response, when parsed already)."""
     sample = tokenize_record(rec, tokenizer, family, sid, template, parsed)
     st = sample_stats(sample, tokenizer, family)
-    if st.prompt_diff and st.has_tools:
-        st.prompt_alt = alternative_prompt_lengths(sample, tokenizer, template)
+    if st.prompt_diff is not None and st.has_tools:  # json_tools only explains a differing count
+        st.prompt_alt = alternative_prompt_lengths(sample, tokenizer, template, json_tools=st.prompt_diff != 0)
     p = sample.parsed
     return st, {
         "id": sid, "provider": st.provider, "model": p.model, "finish_reason": p.finish_reason,
@@ -318,7 +318,9 @@ def reconstruct_sample(rec: dict[str, Any], sid: str, tokenizer: Tokenizer, fami
 
 def with_verdicts(df: pl.DataFrame, stats: Sequence[SampleStats], judged: Sequence["Judgement"], start: int,
                    variants: Mapping[str, Any], admitted: Policy) -> pl.DataFrame:
-    """A scratch part with its verdict columns (its first row is sample ``start`` of ``stats``/``judged``)."""
+    """A scratch part with its verdict columns (its first row is sample ``start`` of ``stats``/``judged``).
+    A prompt the billed count cannot prove (``unproven``: the tools' key order, given the provider's
+    learned ``variants``) adds ``prompt_order_unproven`` to the sample's reasons and joint verdict."""
     cols: dict[str, list] = {k: [] for k in ("completion_diff", "prompt_diff", "verdict", "completion_verdict",
                                              "prompt_verdict", "prompt_variant", "reasons", "train", "repair")}
     repaired = {}
@@ -328,7 +330,10 @@ def with_verdicts(df: pl.DataFrame, stats: Sequence[SampleStats], judged: Sequen
             repaired[row] = (st, j.repair.chosen)
         cols["completion_diff"].append(j.completion_diff)
         cols["prompt_diff"].append(st.prompt_diff)
-        c_verdict, p_verdict = completion_verdict(j.reasons), prompt_verdict(st)
+        c_verdict, p_verdict = completion_verdict(j.reasons), prompt_verdict(st, provider_sorts_tool_keys(variants, st.provider))
+        if p_verdict == "unproven" and "prompt_order_unproven" not in j.reasons:  # the joint verdict: not proven
+            j.reasons.append("prompt_order_unproven")
+            j.verdict = verdict_of(j.reasons)
         cols["verdict"].append(j.verdict)
         cols["completion_verdict"].append(c_verdict)
         cols["prompt_verdict"].append(p_verdict)

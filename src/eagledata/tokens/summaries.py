@@ -12,7 +12,9 @@ learning job reads one small JSON per shard and never a sample:
   the count, ``above``/``below`` and spread of the reasoning differences (which group is used
   depends on the learned convention, so every group is kept);
 * ``prompts``: per (provider, has tools), the samples with a billed prompt count and up to two
-  distinct prompt differences under each rendering (one distinct value is a variant; two is none).
+  distinct prompt differences under each rendering (one distinct value is a variant; two is none);
+* ``key_order``: per provider, the samples' tool key-order votes (``sorted``, ``request_order``,
+  ``tied``; :meth:`~eagledata.tokens.checks.SampleStats.key_order_vote`).
 
 :func:`learn` gives exactly what the three functions give on the samples themselves (tests compare).
 """
@@ -23,10 +25,12 @@ from typing import Any, Iterable, Mapping
 
 from eagledata.tokens.checks import (EXCLUDES_EOT, COUNTS_EOT, REASONS, SampleStats, count_vote, pick_convention,
                                      convention_for)
-from eagledata.tokens.learning import JSON_TOOLS, MIN_VARIANT_SAMPLES, diff_under, variant_name
+from eagledata.tokens.learning import MIN_VARIANT_SAMPLES, RENDERINGS, diff_under, key_order_learned, variant_name
 
-SUMMARY_VERSION = 2  # 2: a sample whose end may be a trimmed stop string casts no count-convention vote
-_RENDERINGS = ("canonical", JSON_TOOLS)
+# 2: a sample whose end may be a trimmed stop string casts no count-convention vote; 3: the tools in the
+# request's key order (a rendering, and the key-order votes)
+SUMMARY_VERSION = 3
+_RENDERINGS = RENDERINGS
 
 
 def _sep(*parts: Any) -> str:
@@ -47,6 +51,7 @@ def summarize(stats: Iterable[SampleStats]) -> dict[str, Any]:
     by_finish: dict[str, dict[str, int]] = {}
     reasoning: dict[str, list] = {}
     prompts: dict[str, dict[str, Any]] = {}
+    key_order: dict[str, dict[str, int]] = {}
     rows = 0
     for s in stats:
         rows += 1
@@ -66,8 +71,12 @@ def summarize(stats: Iterable[SampleStats]) -> dict[str, Any]:
             p["n"] += 1
             for r in _RENDERINGS:
                 _add_diffs(p[r], [diff_under(s, r)])
+            order = s.key_order_vote()
+            if order is not None:
+                k = key_order.setdefault(s.provider, {})
+                k[order] = k.get(order, 0) + 1
     return {"version": SUMMARY_VERSION, "rows": rows, "conventions": conv, "by_finish": by_finish,
-            "reasoning": reasoning, "prompts": prompts}
+            "reasoning": reasoning, "prompts": prompts, "key_order": key_order}
 
 
 def _add_reasoning(into: dict[str, list], key: str, v: list) -> None:
@@ -90,12 +99,12 @@ def _add_diffs(into: list, values: Iterable) -> None:
 def merge(summaries: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     """The sum of shard summaries (itself a summary)."""
     out: dict[str, Any] = {"version": SUMMARY_VERSION, "rows": 0, "conventions": {}, "by_finish": {},
-                           "reasoning": {}, "prompts": {}}
+                           "reasoning": {}, "prompts": {}, "key_order": {}}
     for s in summaries:
         if s.get("version") != SUMMARY_VERSION:
             raise ValueError(f"token shard summary version {s.get('version')!r}, expected {SUMMARY_VERSION}")
         out["rows"] += s["rows"]
-        for part in ("conventions", "by_finish"):
+        for part in ("conventions", "by_finish", "key_order"):
             for key, counts in s[part].items():
                 c = out[part].setdefault(key, {})
                 for k, n in counts.items():
@@ -119,7 +128,11 @@ def learn(summary: Mapping[str, Any]) -> tuple[dict[str, dict], dict[str, dict],
         provider, finish = _unsep(key)
         if any(c.values()):
             conventions[provider]["by_finish"][finish] = {"convention": _pick_counts(c), "support": dict(c)}
-    return conventions, _reliability(summary["reasoning"], conventions), _variants(summary["prompts"])
+    variants = _variants(summary["prompts"])
+    for provider, votes in summary["key_order"].items():
+        if any(votes.values()):
+            variants[provider]["tool_key_order"] = key_order_learned(votes)
+    return conventions, _reliability(summary["reasoning"], conventions), variants
 
 
 def _pick_counts(c: Mapping[str, int]) -> str:

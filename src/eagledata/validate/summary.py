@@ -7,8 +7,8 @@ readable summary, and decide whether the dataset may go on to extraction.
      "bad_fraction", "max_bad_fraction", "bad_counts",
      "counts": {"total", "exact", "repaired", "mismatch", "error", "excluded", "included",
                 "completion": {"exact", "repaired", "mismatch", "error"},
-                "prompt": {"exact", "differs", "unbilled", "error"},
-                "admitted_with_prompt_differs"},
+                "prompt": {"exact", "unproven", "differs", "unbilled", "error"},
+                "admitted_with_prompt_differs", "admitted_with_prompt_unproven"},
      "providers": {NAME: {"total", "exact", "repaired", "mismatch", "error", "exact_share",
                           "completion": {VERDICT: N}, "completion_verified", "completion_verified_share",
                           "prompt": {VERDICT: N}, "prompt_exact_share", "prompt_variant", "prompt_variant_samples",
@@ -20,7 +20,9 @@ readable summary, and decide whether the dataset may go on to extraction.
      "excluded_ids": [...]}
 
 ``exact``/``repaired``/``mismatch``/``error`` are the verdicts of both sides together (``exact``:
-completion exact and prompt exact or unbilled; a differing prompt makes a sample ``mismatch``);
+completion exact and prompt exact or unbilled; a differing or unproven prompt makes a sample
+``mismatch``); ``admitted_with_prompt_unproven`` counts the samples admitted with a prompt the billed
+count cannot prove (the tools' key order, ``prompt_order_unproven``);
 ``counts.completion`` and ``counts.prompt`` are the per-side breakdowns. ``excluded`` are the
 samples the policy keeps out of training (listed under their reasons). The gate's bad fraction is
 ``bad_counts: completion`` (default): completion mismatch + error over total; ``both``: the joint
@@ -176,9 +178,11 @@ def _counts(rows: dict[str, dict[str, Any]], total: int, n_excluded: int, df) ->
     joint = {k: sum(p[k] for p in rows.values()) for k in VERDICTS}
     completion = {k: sum(p["completion"].get(k, 0) for p in rows.values()) for k in VERDICTS}
     prompt = {k: sum(p["prompt"].get(k, 0) for p in rows.values()) for k in PROMPT_VERDICTS}
-    differs_admitted = int(df.filter(df["train"] & (df["prompt_verdict"] == "differs")).height) if total else 0
+    admitted = {v: int(df.filter(df["train"] & (df["prompt_verdict"] == v)).height) if total else 0
+                for v in ("differs", "unproven")}
     return {"total": total, **joint, "excluded": n_excluded, "included": total - n_excluded,
-            "completion": completion, "prompt": prompt, "admitted_with_prompt_differs": differs_admitted}
+            "completion": completion, "prompt": prompt, "admitted_with_prompt_differs": admitted["differs"],
+            "admitted_with_prompt_unproven": admitted["unproven"]}
 
 
 def render_summary(report: dict[str, Any]) -> str:
@@ -190,7 +194,8 @@ def render_summary(report: dict[str, Any]) -> str:
         f"(policy {report['policy']})",
         f"completions: {cc.get('exact', 0)} exact, {cc.get('repaired', 0)} repaired, {cc.get('mismatch', 0)} mismatch, "
         f"{cc.get('error', 0)} error; prompts: {pc.get('exact', 0)} exact, {pc.get('differs', 0)} differ, "
-        f"{pc.get('unbilled', 0)} unbilled, {pc.get('error', 0)} unrenderable",
+        f"{pc.get('unproven', 0)} unproven (tool key order), {pc.get('unbilled', 0)} unbilled, "
+        f"{pc.get('error', 0)} unrenderable",
         f"bad fraction ({report.get('bad_counts', 'both')}) {report['bad_fraction']:.4f} (limit {report['max_bad_fraction']}): "
         + ("PASSED" if report["passed"] else "FAILED"),
         "",
@@ -204,6 +209,8 @@ def render_summary(report: dict[str, Any]) -> str:
         if len(set(by_finish.values())) > 1:
             diffs += "  [" + ", ".join(f"{f}: {c}" for f, c in by_finish.items()) + "]"
         extra = [f"prompt variant {p['prompt_variant']}"] if p.get("prompt_variant") else []
+        if p.get("prompt", {}).get("unproven"):
+            extra.append(f"{p['prompt']['unproven']} prompts' tool key order unproven (not shown to sort keys)")
         rc = p.get("reasoning_count") or {}
         if rc.get("checksum") is False:
             extra.append(f"reasoning count not a checksum (spread {rc.get('spread')} over {rc.get('samples')})")
