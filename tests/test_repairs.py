@@ -299,3 +299,22 @@ def test_reasoning_alone_is_exact_only_where_the_reasoning_count_witnesses_its_e
         assert not rows[rid]["train"]
     assert rows["witnessed"]["verdict"] == "exact" and rows["witnessed"]["train"], rows["witnessed"]["reasons"]
     assert all(rows[f"ok{i}"]["verdict"] == "exact" for i in range(3))
+
+
+def test_whitespace_ambiguity_is_checked_whatever_the_prompt_verdict(k25, tmp_path):
+    """A provider proven to strip leading spaces: a completion whose count matches with and without the
+    space is ambiguous even when the provider also rendered the prompt differently (a differing prompt
+    made the sample's joint verdict mismatch, and the check skipped it: its completion stayed exact and
+    the default policy, which admits a differing prompt, trained on ids that may not be the model's)."""
+    tok, fam = k25
+    n_prompt = len(prompt_ids(tok, MSGS))
+    r, true_c, neutral = " Let me count.", " pneumonoultra is here.", " The answer is clear."
+    rows, _ = _judge(tok, fam, tmp_path, [
+        _rec("strip1", "Stripper", r, true_c.lstrip(), _true_len(tok, fam, r, true_c), n_prompt),
+        _rec("strip1b", "Stripper", r, true_c.lstrip(), _true_len(tok, fam, r, true_c), n_prompt),
+        _rec("strip2-prompt", "Stripper", r, neutral.lstrip(), _true_len(tok, fam, r, neutral), n_prompt - 1),
+        *(_rec(f"votes{i}", "Stripper", r, "Yes.", _true_len(tok, fam, r, "Yes."), n_prompt) for i in range(2)),
+    ])  # (votes*: samples whose counts agree as they came, the provider's count convention)
+    s = rows["strip2-prompt"]
+    assert s["prompt_verdict"] == "differs" and "whitespace_ambiguous" in s["reasons"]
+    assert s["completion_verdict"] == "mismatch" and not s["train"]

@@ -526,14 +526,17 @@ class Judge:
         """After round 2: for a provider proven to strip leading spaces, a sample whose counts match
         as it came (exact, or repaired during reconstruction: a rebuilt tool-call id...) and also
         with a space restored is ambiguous. Its ids stay the text the provider returned (the
-        restored candidate is evidence, never stored). Samples a repair search already chose for
+        restored candidate is evidence, never stored), whatever its prompt's verdict (the default policy
+        admits a completion with a differing prompt). Samples a repair search already chose for
         (round 2, whose candidates include the restored spaces) are not searched again."""
         strippers = {p for p, ts in learned.items() if set(ts) & {WHITESPACE_REASONING, WHITESPACE_CONTENT}}
         if not strippers:
             return
         for i, (segs, finish) in rows:
             st, j = stats[i], judged[i]
-            if j.verdict not in ("exact", "repaired") or j.repair is not None or st.provider not in strippers:
+            # the completion's verdict: a differing prompt (joint verdict mismatch) must not skip the check
+            if completion_verdict(j.reasons) not in ("exact", "repaired") or j.repair is not None \
+                    or st.provider not in strippers:
                 continue
             res = search_repairs(_row_parsed(segs, finish), self.tokenizer, self.family, st.billed_completion,
                                  self._billed_reasoning(st), self._conv(st), _thinking_of(segs),
