@@ -24,11 +24,9 @@ from typing import Any, Iterable, Mapping
 
 from eagledata.text.families import ModelFamily
 from eagledata.tokens.reconstruct import STOP_REASONS
-from eagledata.tokens.samples import Sample
+from eagledata.tokens.samples import UNSORTED_TOOLS, Sample
 from eagledata.text.tokenizer import Tokenizer
 
-#: ``SampleStats.prompt_alt``'s key for the tools declared in the request's own key order.
-UNSORTED_TOOLS = "unsorted_tools"
 COUNTS_EOT = "counts_eot"
 EXCLUDES_EOT = "excludes_eot"
 CONVENTIONS = (COUNTS_EOT, EXCLUDES_EOT)
