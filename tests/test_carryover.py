@@ -175,3 +175,61 @@ def test_an_unreadable_cache_of_another_dataset_is_skipped_with_a_warning(standi
     assert plan_dataset(other, "x")["to_request"] == 2
     s = generate_dataset(other, "x", tmp_path / "results/x/responses.jsonl", log=logs.append)
     assert s["requested"] == 2 and any(f"{unreadable}: not read for answers to carry over" in m for m in logs)
+
+
+def test_a_request_claim_dies_with_its_process_kill_9_included(tmp_path):
+    """A claim is a lock the kernel drops with its holder: a job killed mid-request never leaves
+    another dataset's job waiting for an answer that will not come."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from eagledata.generate.carryover import RequestClaims
+
+    ready = tmp_path / "ready"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time, pathlib\n"
+        "from eagledata.generate.carryover import RequestClaims\n"
+        f"c = RequestClaims({str(tmp_path)!r}, 'a')\n"
+        f"assert c.try_claim({K1!r})\n"
+        f"pathlib.Path({str(ready)!r}).write_text('1')\n"
+        "time.sleep(60)\n")])
+    try:
+        t0 = time.monotonic()
+        while not ready.exists():
+            assert holder.poll() is None and time.monotonic() - t0 < 30
+            time.sleep(0.02)
+        mine = RequestClaims(tmp_path, "b")
+        assert not mine.try_claim(K1)  # claimed by the other dataset's job
+        assert mine.try_claim(K2)  # another request is not
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(10)
+        assert mine.try_claim(K1)
+        mine.close()
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait(10)
+
+
+def test_an_answer_another_dataset_cached_after_the_job_looked_is_carried_from_the_tail(tmp_path):
+    from eagledata.generate.carryover import RequestClaims
+
+    other = tmp_path / "a" / "responses.jsonl"
+    other.parent.mkdir()
+    other.write_bytes((json.dumps({"cache_key": K3, "status": 200, "response_raw": "old"}) + "\n").encode())
+    claims = RequestClaims(tmp_path, "b")
+    claims.watch()
+    claims.want([K1, K2], scanned=True)
+    assert claims.answer(K1) is None
+    with open(other, "ab") as fh:  # the other job's answers arrive: one a final error, one torn
+        fh.write((json.dumps({"cache_key": K2, "status": 400, "response_raw": "no"}) + "\n").encode())
+        fh.write((json.dumps({"cache_key": K1, "status": 200, "response_raw": "paid", "ledger_ref": "r1"}) + "\n").encode())
+        fh.write(json.dumps({"cache_key": K2, "status": 200}).encode())
+    name, rec = claims.answer(K1)
+    assert (name, rec["response_raw"]) == ("a", "paid")
+    assert claims.answer(K2) is None  # not carried: an error, and a line not complete yet
+    with open(other, "ab") as fh:
+        fh.write(b"\n")
+    assert claims.answer(K2)[1]["status"] == 200

@@ -43,6 +43,8 @@ LEDGER_WRITE_ERRORS = (sqlite3.Error, OSError)
 #: An SSE event carrying the generation id (read from a stream's first events).
 SSE_ID = re.compile(rb'data:\s*\{[^\n]*?"id"\s*:\s*"([^"]+)"')
 JSON_ENCODER = json.JSONEncoder(ensure_ascii=False)
+#: How often a request claimed by another dataset's job is tried again.
+CLAIM_POLL_S = 0.05
 
 
 def ledger_write_error(path: Path, exc: BaseException) -> str:
@@ -116,6 +118,7 @@ class GenerationJob:
         self.run_cpu_s = 0.0
         self.tasks: list[asyncio.Task] = []
         self.headers = {**cs.headers, "Content-Type": "application/json"}
+        self.claims: Any = None  # RequestClaims (eagledata.generate.carryover) of a dedup dataset
 
     # -- control --------------------------------------------------------------------------------
     def stop(self, reason: str) -> None:
@@ -206,13 +209,56 @@ class GenerationJob:
             take_next()
             while queue and not self.halted:
                 item, ahead = queue.pop()
-                await self.process(item, client, ahead, take_next, drop_next)
+                await self.claimed(item, client, ahead, take_next, drop_next)
                 take_next()
         finally:
             for _, ahead in queue:
                 if ahead is not None:
                     self.ledger.give_back(ahead)
             await client.aclose()
+
+    async def claimed(self, item: WorkItem, client: Any, ahead: asyncio.Future | None,
+                      on_reserved: Callable[[], None], drop_next: Callable[[], None]) -> None:
+        """:meth:`process` of an item whose request this job claimed (:attr:`claims`: waiting,
+        its reservation given back, while another dataset's job sends the same request); an answer
+        another dataset's cache gained meanwhile is carried over instead of requested."""
+        claims = self.claims
+        if claims is None:
+            return await self.process(item, client, ahead, on_reserved, drop_next)
+        if not claims.try_claim(item.cache_key):
+            claims.waited += 1
+            if ahead is not None:
+                self.ledger.give_back(ahead)
+                ahead = None
+            while not claims.try_claim(item.cache_key):
+                if self.halted:
+                    self.failures[item.id] = f"not started: {self.interrupt or self.stop_reason}"
+                    return
+                try:
+                    await asyncio.wait_for(self.halt.wait(), CLAIM_POLL_S)
+                except asyncio.TimeoutError:
+                    pass
+        try:
+            found = claims.answer(item.cache_key)
+            if found is None:
+                return await self.process(item, client, ahead, on_reserved, drop_next)
+            if ahead is not None:
+                self.ledger.give_back(ahead)
+            self.carry(item, *found)
+        finally:
+            claims.release(item.cache_key)
+
+    def carry(self, item: WorkItem, dataset: str, rec: dict[str, Any]) -> None:
+        """Another dataset's answer to ``item``'s request into the cache (as the start's carry-over
+        does: :func:`eagledata.generate.carryover.carry_over`), counted, not paid."""
+        rec.pop("ledger_ref", None)
+        rec["carried_from"] = dataset
+        self.cache.append(rec)
+        self.claims.carried[dataset] = self.claims.carried.get(dataset, 0) + 1
+        self.finished.add(item.id)
+        self.progress.done += 1
+        self.progress.ok += 1
+        self.progress.update()
 
     async def process(self, item: WorkItem, client: Any, ahead: asyncio.Future | None = None,
                       on_reserved: Callable[[], None] | None = None, drop_next: Callable[[], None] | None = None) -> None:

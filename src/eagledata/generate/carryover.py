@@ -17,6 +17,17 @@ to take them into its cache. Final HTTP errors
 Only datasets with ``dedup`` on (the default) carry answers over: ``dedup: false`` asks for this
 dataset's own answers to prompts that other datasets hold too.
 
+Datasets generated at once (``snakemake --cores N``) cannot carry at job start what the other job
+has not received yet, so each request of a ``dedup`` dataset is also *claimed* while it is sent
+(:class:`RequestClaims`): an exclusive byte-range lock on ``{cache_dir}/requests.lock`` at an offset
+taken from the cache key, held from before its reservation until its answer is in the cache. A job
+that finds the request claimed waits (its reservation given back), then, as after every claim, reads
+what the other datasets' caches gained since it last looked (their tails only); an answer found
+there is carried over as above, and not requested. The kernel drops a dead process's locks
+(``kill -9`` included), so a claim never outlives its job: the waiter then requests the sample
+itself. An answer its job could not write to its cache (a full disk) is not seen, and is requested
+again.
+
 Each sibling cache is scanned once for ``"cache_key": "<64 hex>"`` (a JSON writer escapes every
 quote inside a string, so those bytes occur only as a key of some object); a line is parsed only
 when one of its candidates is a key to request, and carried only when its own top-level
@@ -25,7 +36,9 @@ when one of its candidates is a key to request, and carried only when its own to
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -104,4 +117,122 @@ def carry_over(cache: ResponseCache, todo: Iterable[str], cache_dir: str | Path,
     return carried
 
 
-__all__ = ["carried_answers", "carried_records", "carry_over", "sibling_caches"]
+CLAIMS_NAME = "requests.lock"
+
+
+class RequestClaims:
+    """One job's claims on the requests it sends, and its view of what other datasets' caches gained
+    since the job looked at them (see the module docstring). Claims are POSIX record locks, owned by
+    the process: two jobs in one process do not exclude each other (a generate job is a process).
+
+    :meth:`watch` is called before the start's carry-over scans (every sibling cache's size then is
+    where its tail starts), :meth:`want` with the keys the job will request (``scanned``: the start
+    looked for them already; else every sibling cache is scanned for them now)."""
+
+    def __init__(self, cache_dir: str | Path, dataset: str, warn: Warn | None = None):
+        self.cache_dir, self.dataset, self.warn = Path(cache_dir), dataset, warn
+        self.offsets: dict[Path, int] = {}  # sibling cache -> end of the complete lines looked at
+        self.wanted: set[str] = set()
+        self.found: dict[str, tuple[str, Path, int, int]] = {}  # key -> dataset, cache, line offset, length
+        self.carried: dict[str, int] = {}  # answers carried while the job ran, per dataset
+        self.waited = 0  # requests found claimed by another job
+        self._fd: int | None = None
+
+    def watch(self) -> None:
+        for _, path in sibling_caches(self.cache_dir, self.dataset):
+            self.offsets[path] = _size(path)
+
+    def want(self, keys: Iterable[str], scanned: bool = False) -> None:
+        new = set(keys) - self.wanted
+        self.wanted |= new
+        if scanned or not new:
+            return
+        for name, path in sibling_caches(self.cache_dir, self.dataset):
+            self._look(name, path, 0, _size(path), new)
+
+    def try_claim(self, key: str) -> bool:
+        """Claim ``key`` (``True``), or ``False`` while another process holds it."""
+        if self._fd is None:
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.cache_dir / CLAIMS_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, _offset(key))
+        except OSError:  # EACCES or EAGAIN: held
+            return False
+        return True
+
+    def release(self, key: str) -> None:
+        """Give the claim up (after the answer is in the cache, or the request given up)."""
+        self.wanted.discard(key)
+        if self._fd is not None:
+            fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, _offset(key))
+
+    def answer(self, key: str) -> tuple[str, dict[str, Any]] | None:
+        """(dataset, record) of a status-200 answer to ``key`` that another dataset's cache holds,
+        looking at what the caches gained since the last look; ``None`` when none does."""
+        for name, path in sibling_caches(self.cache_dir, self.dataset):
+            size, start = _size(path), self.offsets.get(path, 0)
+            self.offsets[path] = self._look(name, path, start if start <= size else 0, size, self.wanted)
+        where = self.found.pop(key, None)
+        if where is None:
+            return None
+        name, path, offset, length = where
+        try:
+            with open(path, "rb") as fh:
+                fh.seek(offset)
+                rec = json.loads(fh.read(length))
+        except (OSError, ValueError):  # the cache replaced since: the request is sent
+            return None
+        return (name, rec) if isinstance(rec, dict) and rec.get("cache_key") == key and rec.get("status") == 200 else None
+
+    def _look(self, name: str, path: Path, start: int, end: int, wanted: set[str]) -> int:
+        """Note where ``wanted`` keys are answered (status 200) in ``path``'s complete lines between
+        ``start`` and ``end``; returns the end of the last complete line."""
+        if end <= start or not wanted:
+            return start
+        offset = start
+        try:
+            with open(path, "rb") as fh:
+                fh.seek(start)
+                for line in fh:
+                    if not line.endswith(b"\n") or offset + len(line) > end:
+                        break  # a torn last line, or past what was asked
+                    self._note(name, path, offset, line, wanted)
+                    offset += len(line)
+        except OSError as exc:
+            if self.warn is not None:
+                self.warn(f"warning: {path}: not read for answers to carry over ({exc.strerror or exc})")
+        return offset
+
+    def _note(self, name: str, path: Path, offset: int, line: bytes, wanted: set[str]) -> None:
+        keys = {m.group(1).decode("ascii") for m in _KEY.finditer(line)} & wanted
+        if not keys - self.found.keys():
+            return
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            return
+        key = rec.get("cache_key") if isinstance(rec, dict) else None
+        if key in keys and key not in self.found and rec.get("status") == 200:
+            self.found[key] = (name, path, offset, len(line))
+
+    def close(self) -> None:
+        """Drop every claim (closing the descriptor drops the process's locks on the file)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _offset(key: str) -> int:
+    """The byte of ``requests.lock`` that stands for a request: 60 bits of its cache key."""
+    return int(key[:15], 16)
+
+
+__all__ = ["RequestClaims", "carried_answers", "carried_records", "carry_over", "sibling_caches"]

@@ -51,7 +51,7 @@ from eagledata.generate.ledgersession import LedgerSession
 from eagledata.generate.cache import ResponseCache, import_rescued_answers, keep_paid_answers, write_jsonl_atomic
 from eagledata.generate.dedup import dataset_option
 from eagledata.generate.cachelock import CacheLockTimeout, acquire_writer_lock, lock_wait_s
-from eagledata.generate.carryover import carry_over
+from eagledata.generate.carryover import RequestClaims, carry_over
 from eagledata.generate.errors import GenerationError, Interrupted, JobStopped
 from eagledata.generate.openrouter import auth_headers, key_usage, reconcile_generations
 from eagledata.generate.plan import Price, PromptEstimator, load_estimator, price_bound
@@ -96,6 +96,7 @@ class Run:
     rounds: int = 0
     carried: dict[str, int] = field(default_factory=dict)  # answers carried over, per dataset they came from
     respeller: Respeller | None = None  # answers cached under another spelling of the same settings
+    claims: RequestClaims | None = None  # dedup datasets: requests claimed across datasets while sent
 
 
 def never_failing(log: Log) -> Log:
@@ -182,6 +183,8 @@ def carry_answers(run: Run) -> None:
     assert cache is not None
     if not run.todo or not dataset_option(run.config, run.dataset, "dedup"):
         return
+    run.claims = RequestClaims(run.config["cache_dir"], run.dataset, run.log)
+    run.claims.watch()  # before the scans: what the other caches gain from now on is read as it comes
     while run.todo:
         got = carry_over(cache, list(run.todo), run.config["cache_dir"], run.dataset, run.log)
         for name, n in got.items():
@@ -308,12 +311,17 @@ async def run_requests(run: Run, ledger: BudgetLedger, progress_stream: Any) -> 
     progress = Progress(f"generate {run.dataset}", len(run.todo), run.log, stream=progress_stream)
     cache.open()
     job = run.job = GenerationJob(run.work, list(run.todo.values()), cs, cache, session, progress, run.log, reserve, price)
+    if run.claims is not None:  # the start's carry-over looked for these keys already
+        job.claims = run.claims
+        run.claims.want(run.todo, scanned=True)
     cache.on_write_error = lambda what: job.write_failed(f"cache write failed: {what}")
     session.on_error = lambda exc: job.write_failed(ledger_write_error(ledger.path, exc))
     t_run, c_run = time.monotonic(), time.process_time()
     try:
         await job.run()
         while (new := next_round(run, job)):
+            if run.claims is not None:
+                run.claims.want(new)
             reserve.update(worst_cases(run, price, new))
             progress.total += len(new)
             job.items = list(new.values())
@@ -369,6 +377,9 @@ async def request_missing(run: Run, progress_stream: Any) -> None:
                 run.reconciled["end"] = await reconcile_generations(ledger, run.api_base, run.headers, run.dataset,
                                                                     timeout=5.0)
     finally:
+        if run.claims is not None:
+            run.claims.close()
+            note_carried_while_running(run)
         try:
             run.cache.close()
         finally:
@@ -376,6 +387,18 @@ async def request_missing(run: Run, progress_stream: Any) -> None:
                 server.stop()
             run.totals = ledger.totals().get(account(run.dataset, run.settings.backend), run.totals)
             ledger.close()
+
+
+def note_carried_while_running(run: Run) -> None:
+    """Count (and log) the answers carried over while the job ran: requests another dataset's job
+    was sending (claimed) or had answered since this job started."""
+    assert run.claims is not None
+    for name, n in run.claims.carried.items():
+        run.carried[name] = run.carried.get(name, 0) + n
+        run.log(f"generate {run.dataset}: {n} answer(s) received meanwhile by the job of dataset {name!r} (the same "
+                "requests) carried over, not requested again")
+    if run.claims.waited:
+        run.log(f"generate {run.dataset}: {run.claims.waited} request(s) waited while another dataset's job sent them")
 
 
 def summarize(run: Run, output_path: str | Path, elapsed: float) -> dict[str, Any]:
