@@ -4,6 +4,7 @@ settings, same prompts), generated at once by ``snakemake --cores 2``: each requ
 from __future__ import annotations
 
 import json
+import sqlite3
 
 import pytest
 import yaml
@@ -46,5 +47,12 @@ def test_parallel_jobs_of_two_model_keys_with_the_same_requests_pay_each_request
     assert sum(sum(s["carried_over"].values()) for s in summaries.values()) == n
     out = {d: [json.loads(line) for line in (work / f"results/{d}/responses.jsonl").read_text().splitlines()] for d in "ab"}
     assert [r["id"] for r in out["a"]] == [r["id"] for r in out["b"]] == [f"p{i}" for i in range(n)]
+    db = sqlite3.connect(str(work / ".cache/eagledata/budget.sqlite"))
+    try:  # the ledger paid each request once; a reservation given back by a waiting job is settled at 0
+        paid_rows = db.execute("SELECT COUNT(*) FROM reservations WHERE state = 'settled' AND cost > 0").fetchone()[0]
+        held = db.execute("SELECT COUNT(*) FROM reservations WHERE state != 'settled'").fetchone()[0]
+    finally:
+        db.close()
+    assert (paid_rows, held) == (n, 0)
     for ra, rb in zip(out["a"], out["b"]):  # the one answer paid, in both datasets
         assert (ra["cache_key"], ra["response_raw"]) == (rb["cache_key"], rb["response_raw"])

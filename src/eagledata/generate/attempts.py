@@ -228,7 +228,7 @@ class GenerationJob:
         if not claims.try_claim(item.cache_key):
             claims.waited += 1
             if ahead is not None:
-                self.ledger.give_back(ahead)
+                self.ledger.give_back(ahead, note="not sent: claimed by another dataset's job")
                 ahead = None
             while not claims.try_claim(item.cache_key):
                 if self.halted:
@@ -243,7 +243,7 @@ class GenerationJob:
             if found is None:
                 return await self.process(item, client, ahead, on_reserved, drop_next)
             if ahead is not None:
-                self.ledger.give_back(ahead)
+                self.ledger.give_back(ahead, note="not sent: carried over from another dataset's cache")
             self.carry(item, *found)
         finally:
             claims.release(item.cache_key)

@@ -117,12 +117,12 @@ class LedgerSession:
         """A :meth:`reserve_ahead` ref is now used for its request (counts as in flight)."""
         self._unclaimed.discard(ref)
 
-    def give_back(self, ahead: asyncio.Future) -> None:
-        """Release a :meth:`reserve_ahead` whose request was never sent (settled at 0)."""
+    def give_back(self, ahead: asyncio.Future, note: str = "not sent: job ended") -> None:
+        """Release a :meth:`reserve_ahead` whose request was never sent (settled at 0, with ``note``)."""
         if not ahead.done():
             ahead.cancel()  # a grant arriving later is settled at 0 by _finish
         elif not ahead.cancelled() and ahead.exception() is None and ahead.result() is not None:
-            self.settle(ahead.result(), 0.0, note="not sent: job ended")
+            self.settle(ahead.result(), 0.0, note=note)
 
     def note(self, ref: str, **fields: Any) -> None:
         self._updates.append(("note", ref, fields))
