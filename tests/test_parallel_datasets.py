@@ -17,7 +17,8 @@ pytestmark = pytest.mark.workflow
 KEY = "sk-or-v1-test-secret-0123456789abcdef"
 
 
-def test_parallel_jobs_of_two_model_keys_with_the_same_requests_pay_each_request_once(tmp_path, k25):
+@pytest.mark.parametrize("turns", ["last", "all"])
+def test_parallel_jobs_of_two_model_keys_with_the_same_requests_pay_each_request_once(tmp_path, k25, turns):
     from eagledata.standin.server import SimulatorServer
 
     tok, fam = k25
@@ -26,8 +27,12 @@ def test_parallel_jobs_of_two_model_keys_with_the_same_requests_pay_each_request
     prompts = work / "data/p.jsonl"
     prompts.parent.mkdir()
     n = 12
-    prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": f"Question {i}?"}]})
-                               + "\n" for i in range(n)))
+    # turns: all regenerates both user turns of each conversation, the second sent after the first's reply
+    messages = [[{"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": "An answer."},
+                 {"role": "user", "content": "And then?"}] for i in range(n)]
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": m if turns == "all" else m[:1]}) + "\n"
+                               for i, m in enumerate(messages)))
+    n = n * (2 if turns == "all" else 1)  # requests
     model = {"family": "kimi-k2.5", "tokenizer": str(tok_dir), "api_model": "moonshotai/kimi-k2.5",
              "price_per_mtok": {"prompt": 0.6, "completion": 2.5}}
     # latency keeps both jobs' requests in flight together
@@ -36,8 +41,8 @@ def test_parallel_jobs_of_two_model_keys_with_the_same_requests_pay_each_request
                   "generation": {"api_base": server.base_url, "max_tokens": 300, "concurrency": 3,
                                  "backoff_base_s": 0.01},
                   "extraction": {"enabled": False},
-                  "datasets": {"a": {"prompts": "data/p.jsonl", "model": "k2.5", "backend": "openrouter"},
-                               "b": {"prompts": "data/p.jsonl", "model": "kimi", "backend": "openrouter"}}}
+                  "datasets": {"a": {"prompts": "data/p.jsonl", "model": "k2.5", "backend": "openrouter", "turns": turns},
+                               "b": {"prompts": "data/p.jsonl", "model": "kimi", "backend": "openrouter", "turns": turns}}}
         (work / "config/config.yaml").write_text(yaml.safe_dump(config))
         snakemake(work, "results/a/responses.jsonl", "results/b/responses.jsonl", env={"OPENROUTER_API_KEY": KEY})
         paid = sum(server.request_counts.values())
@@ -46,7 +51,7 @@ def test_parallel_jobs_of_two_model_keys_with_the_same_requests_pay_each_request
     assert sum(s["http_requests"] for s in summaries.values()) == n
     assert sum(sum(s["carried_over"].values()) for s in summaries.values()) == n
     out = {d: [json.loads(line) for line in (work / f"results/{d}/responses.jsonl").read_text().splitlines()] for d in "ab"}
-    assert [r["id"] for r in out["a"]] == [r["id"] for r in out["b"]] == [f"p{i}" for i in range(n)]
+    assert [r["id"] for r in out["a"]] == [r["id"] for r in out["b"]] and len(out["a"]) == n
     db = sqlite3.connect(str(work / ".cache/eagledata/budget.sqlite"))
     try:  # the ledger paid each request once; a reservation given back by a waiting job is settled at 0
         paid_rows = db.execute("SELECT COUNT(*) FROM reservations WHERE state = 'settled' AND cost > 0").fetchone()[0]
