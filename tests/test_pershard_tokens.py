@@ -55,7 +55,9 @@ def test_per_shard_stage_gives_the_one_job_stage_results_on_recorded_data(tmp_pa
     assert a.equals(b)  # every column of every sample: ids, verdicts, reasons, counts, repairs
     assert [s["file"] for s in old.manifest["shards"]] == [s["file"] for s in new["shards"]]  # same bytes
     assert old.manifest["conventions"] == new["conventions"]
-    assert old.manifest["rows"] == new["rows"] and old.manifest["source_sha256"] == new["source_sha256"]
+    plan = json.loads((tmp_path / "work" / "plan.json").read_text())
+    assert old.manifest["rows"] == new["rows"] and old.manifest["source_sha256"] == plan["source_sha256"]
+    assert new["source_records_sha256"] == plan["source_records_sha256"]
 
 
 def _records(n: int) -> list[dict]:
@@ -289,6 +291,58 @@ def test_a_shard_of_another_tokenizer_is_refused_not_gathered(tmp_path):
         p = ps.work_paths(work, key)
         ps.reconstruct_shard(p["slice"], p["where"], src, p["part"], p["summary"], tok, fam)
     assert gather()["shards"] == first["shards"]
+
+
+def test_the_records_digest_follows_the_records_not_the_order_of_the_lines(tmp_path):
+    records = _records(60)
+    src = tmp_path / "responses.jsonl"
+    _write(src, records)
+    plan = ps.plan_shards(src, tmp_path / "plan.json", tmp_path / "slices", "ds", 10)
+    slices = b"".join((tmp_path / "slices" / f"{s['key']}.tsv").read_bytes() for s in plan["shards"])
+    assert plan["source_records_sha256"] == hashlib.sha256(slices).hexdigest()
+    _write(src, records[::-1])
+    moved = ps.plan_shards(src, tmp_path / "plan.json", tmp_path / "slices", "ds", 10)
+    assert moved["source_sha256"] != plan["source_sha256"]
+    assert moved["source_records_sha256"] == plan["source_records_sha256"] and moved["slices_written"] == 0
+    _write(src, records[:-1] + [dict(records[-1], cost=123.0)])
+    changed = ps.plan_shards(src, tmp_path / "plan.json", tmp_path / "slices", "ds", 10)
+    assert changed["source_records_sha256"] != plan["source_records_sha256"] and changed["slices_written"] == 1
+
+
+@needs_recorded
+@pytest.mark.workflow
+def test_a_reorder_of_the_responses_reruns_only_the_plan_and_leaves_a_true_manifest(tmp_path):
+    """Lines moved, no record changed: the plan reruns (the file changed), no shard, no gather, no
+    validation (so no extraction either); the manifest's source digest, of the records in id order,
+    is still the responses' own, and it names no file digest that is no longer true."""
+    from test_workflow import _copy_repo, planned_jobs, snakemake
+
+    work = _copy_repo(tmp_path / "w")
+    records = _records(60)
+    src = tmp_path / "responses.jsonl"
+    _write(src, records)
+    config = yaml.safe_load((work / "config/config.yaml").read_text())
+    config["models"] = {"k2": {"family": "kimi-k2", "tokenizer": str(K2)}}
+    config["datasets"] = {"rec": {"responses": str(src), "model": "k2", "validation": {"max_bad_fraction": 1.0}}}
+    config["tokens"] = {**(config.get("tokens") or {}), "shard_size": 10}
+    config["extraction"] = {**config["extraction"], "enabled": False}
+    (work / "config/config.yaml").write_text(yaml.safe_dump(config))
+    snakemake(work, "rec")
+    manifest_path = work / "results/rec/tokens/manifest.json"
+    validated = work / "results/rec/validation.json"
+    stamps = (manifest_path.stat().st_mtime_ns, validated.stat().st_mtime_ns)
+    first = json.loads(manifest_path.read_text())
+
+    _write(src, records[::-1])
+    snakemake(work, "results/rec/tokens.work/plan.json")
+    assert planned_jobs(work, "rec") == {}  # nothing after the plan: no shard, no gather, no validation
+    snakemake(work, "rec")
+    assert (manifest_path.stat().st_mtime_ns, validated.stat().st_mtime_ns) == stamps
+    plan = json.loads((work / "results/rec/tokens.work/plan.json").read_text())
+    manifest = json.loads(manifest_path.read_text())
+    assert plan["source_sha256"] == hashlib.sha256((work / "results/rec/responses.jsonl").read_bytes()).hexdigest()
+    assert manifest.get("source_sha256") in (None, plan["source_sha256"])  # never a stale file digest
+    assert manifest["source_records_sha256"] == plan["source_records_sha256"] == first["source_records_sha256"]
 
 
 @needs_recorded

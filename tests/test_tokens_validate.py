@@ -275,3 +275,18 @@ def test_explain_prints_both_verdicts_and_admission_and_refuses_bad_input_withou
         assert cli_main([*command, "--config", str(path)]) == 2
         assert "budgett_usd: unknown key" in capsys.readouterr().err
         path.write_text(yaml.safe_dump(cfg))
+
+
+def test_history_entries_of_per_shard_manifests_match_by_records_not_by_a_missing_file_digest(tmp_path):
+    """The per-shard manifest names its source by the records' digest (no file sha256): two files of
+    one dataset name in two workflows are two entries, the same records (lines moved, another path)
+    replace theirs."""
+    from eagledata.validate.profiles import accumulated_profiles, record_validation
+
+    hist = tmp_path / "hist.jsonl"
+    report = {"dataset": "d", "tokenizer_fingerprint": "t", "providers": {"P": {"total": 1}}}
+    record_validation(hist, report, {"source_records_sha256": "r1", "source": "/a/responses.jsonl"})
+    record_validation(hist, report, {"source_records_sha256": "r2", "source": "/b/responses.jsonl"})
+    assert accumulated_profiles(hist)["P"]["total"] == 2
+    record_validation(hist, report, {"source_records_sha256": "r1", "source": "/moved/responses.jsonl"})
+    assert accumulated_profiles(hist)["P"]["total"] == 2

@@ -6,7 +6,10 @@ shard, and steps 3-5 together (:func:`learn_and_judge`, the ``tokens`` rule):
 
 1. :func:`plan_shards` (a checkpoint): streams the responses' ids (every record checked, as the
    one-job stage checks them), cuts them by the stable rule (:func:`~eagledata.tokens.shards.shard_groups`)
-   and writes ``plan.json`` (shard key -> rows, first and last id) and, per shard, a *slice*,
+   and writes ``plan.json`` (shard key -> rows, first and last id; the file's ``source_sha256`` and
+   ``source_records_sha256``, the sha256 of the slices concatenated in plan order: the records in id
+   order, so a reorder of the lines changes the one, not the other, and the manifest records the other)
+   and, per shard, a *slice*,
    ``slices/{key}.tsv`` (what the shard holds, id order: ``json(id) TAB digest of the record's line``,
    :func:`~eagledata.io.line_digest`)
    and where its records are, ``where/{key}.tsv`` (``byte offset TAB length TAB line number`` in the
@@ -128,14 +131,14 @@ def plan_shards(responses_path: str | Path, plan_path: str | Path, slices_dir: s
     with tempfile.TemporaryDirectory(prefix=".runs-", dir=slices.parent) as tmp:
         runs, rows, digest = _sorted_id_runs(responses_path, dataset, Path(tmp), workers)
         cuts = _shard_cuts(_merged(runs), responses_path, shard_size)
-        shards, written, keys = [], 0, set()
+        shards, written, keys, records = [], 0, set(), hashlib.sha256()
         for first_id, n, group in _grouped(_merged(runs), cuts):
             key = shard_key(first_id)
             if key in keys:
                 raise ResponsesFileError(f"{responses_path}: two shards share the key {key} (first id {first_id!r})")
             keys.add(key)
             written += _write_if_changed(slices / f"{key}.tsv",
-                                         (f"{json.dumps(e[0], ensure_ascii=False)}\t{e[4]}\n" for e in group))
+                                         (f"{json.dumps(e[0], ensure_ascii=False)}\t{e[4]}\n" for e in group), records)
             _write_if_changed(where / f"{key}.tsv", (f"{e[2]}\t{e[3]}\t{e[1]}\n" for e in group))
             shards.append({"key": key, "rows": n, "first_id": first_id, "last_id": group[-1][0]})
     for d in (slices, where):
@@ -143,7 +146,7 @@ def plan_shards(responses_path: str | Path, plan_path: str | Path, slices_dir: s
             if p.suffix == ".tsv" and p.stem not in keys:
                 p.unlink()
     plan = {"version": PLAN_VERSION, "dataset": dataset, "source": str(responses_path),
-            "source_sha256": digest, "rows": rows,
+            "source_sha256": digest, "source_records_sha256": records.hexdigest(), "rows": rows,
             "sharding": {"rule": SHARDING_RULE, "shard_size": shard_size, "max_rows": MAX_SHARD_FACTOR * shard_size,
                          "key": "sha256(first id)[:16]", "record_digest": "xxh3_128 of the record's line"},
             "shards": shards}
@@ -221,9 +224,10 @@ def _grouped(entries: Iterator[Entry], cuts: Sequence[int]) -> Iterator[tuple[st
         yield group[0][0], n, group
 
 
-def _write_if_changed(path: Path, lines: Iterable[str]) -> int:
+def _write_if_changed(path: Path, lines: Iterable[str], also: Any = None) -> int:
     """Write ``lines`` to ``path`` (streamed, atomically), unless ``path`` holds those bytes already:
-    then it is left untouched (bytes and mtime). Returns 1 when written, 0 when left."""
+    then it is left untouched (bytes and mtime). Returns 1 when written, 0 when left. ``also``: a
+    hashlib object that is fed the bytes too."""
     tmp = path.with_name(f".{path.name}.new-{os.getpid()}")
     digest = hashlib.sha256()
     try:
@@ -232,6 +236,8 @@ def _write_if_changed(path: Path, lines: Iterable[str]) -> int:
                 data = line.encode("utf-8")
                 out.write(data)
                 digest.update(data)
+                if also is not None:
+                    also.update(data)
         return 0 if replace_unless_same(tmp, path, digest.hexdigest()) else 1
     finally:
         tmp.unlink(missing_ok=True)
@@ -528,7 +534,7 @@ def _write_manifest(plan: Mapping[str, Any], learned: dict[str, Any], entries: S
         publish_shard(store / s["file"], out / s["file"], s["sha256"])
     admitted = resolve_policy(policy)
     manifest = {
-        "dataset": plan["dataset"], "source": plan["source"], "source_sha256": plan["source_sha256"],
+        "dataset": plan["dataset"], "source": plan["source"], "source_records_sha256": plan["source_records_sha256"],
         "tokenizer": tokenizer.source, "tokenizer_fingerprint": tokenizer.fingerprint, "family": family.name,
         "policy": admitted.name, "policy_sets": admitted.to_dict(), "conventions": conventions,
         "rows": sum(s["rows"] for s in shards),

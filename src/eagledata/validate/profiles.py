@@ -3,7 +3,8 @@
 Each validated dataset contributes one entry per provider to a history file (JSON lines at
 ``{cache_dir}/fidelity_history.jsonl``; like the response cache it is not a Snakemake output, so it
 survives reruns and ``--delete-all-output``). A dataset's entries are replaced, never counted twice,
-when the dataset is validated again with the same responses (the same sha256, under any tokenizer) or
+when the dataset is validated again with the same responses (the same sha256, of the file or of its
+records in id order, under any tokenizer) or
 the same responses file (its absolute path: a dataset that grew, shrank, even to no sample, or was
 retokenized): all of them, so a provider no longer in it stops counting; another dataset, or the same
 name in another workflow, adds its own. Validate jobs of several datasets write it under a file lock
@@ -29,12 +30,13 @@ HISTORY_NAME = "fidelity_history.jsonl"
 
 
 def _replaces(new: Mapping[str, Any], old: Mapping[str, Any]) -> bool:
-    """Whether ``new`` (a dataset's measurement: ``dataset``, ``source_sha256``, ``source``) measures
-    what ``old`` did, whatever its provider (see the module docstring); an entry written before
-    entries named their file matches by sha256 only."""
-    return (new["dataset"] == old.get("dataset")
-            and (new["source_sha256"] == old.get("source_sha256")
-                 or (old.get("source") is not None and new["source"] == old.get("source"))))
+    """Whether ``new`` (a dataset's measurement: ``dataset``, ``source_sha256``,
+    ``source_records_sha256``, ``source``) measures what ``old`` did, whatever its provider (see the
+    module docstring): the same file's sha256 (the one-job stage's manifest), the same records (the
+    per-shard manifest's digest of the records in id order), or the same file; an entry written
+    before entries named their file matches by sha256 only. A digest neither side has matches nothing."""
+    return new["dataset"] == old.get("dataset") and any(
+        new.get(k) is not None and new.get(k) == old.get(k) for k in ("source_sha256", "source_records_sha256", "source"))
 
 
 def history_path(cache_dir: str | Path) -> Path:
@@ -58,6 +60,7 @@ def record_validation(path: str | Path, report: Mapping[str, Any], manifest: Map
     path = Path(path)
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
     measured = {"dataset": report["dataset"], "source_sha256": manifest.get("source_sha256"),
+                "source_records_sha256": manifest.get("source_records_sha256"),
                 "source": str(Path(manifest["source"]).resolve()) if manifest.get("source") else None}
     new = []
     for provider, p in report["providers"].items():
