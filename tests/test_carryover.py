@@ -233,3 +233,23 @@ def test_an_answer_another_dataset_cached_after_the_job_looked_is_carried_from_t
     with open(other, "ab") as fh:
         fh.write(b"\n")
     assert claims.answer(K2)[1]["status"] == 200
+
+
+def test_a_filesystem_without_record_locks_turns_claims_off_with_a_warning(tmp_path, monkeypatch):
+    """Where lockf fails for another reason than a held lock (ENOLCK on some network filesystems), a
+    job never waits on a claim it cannot take: claims are off, said once."""
+    import errno
+    import fcntl
+
+    from eagledata.generate.carryover import RequestClaims
+
+    def no_locks(*args):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "lockf", no_locks)
+    warned = []
+    claims = RequestClaims(tmp_path, "b", warned.append)
+    assert claims.try_claim(K1) and claims.try_claim(K1) and claims.try_claim(K2)
+    claims.release(K1)
+    claims.close()
+    assert len(warned) == 1 and "No locks available" in warned[0] and "may pay an identical request twice" in warned[0]

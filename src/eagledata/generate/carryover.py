@@ -36,6 +36,7 @@ when one of its candidates is a key to request, and carried only when its own to
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -137,6 +138,7 @@ class RequestClaims:
         self.carried: dict[str, int] = {}  # answers carried while the job ran, per dataset
         self.waited = 0  # requests found claimed by another job
         self._fd: int | None = None
+        self.disabled = False  # the lock file cannot be used (see try_claim)
 
     def watch(self) -> None:
         for _, path in sibling_caches(self.cache_dir, self.dataset):
@@ -151,20 +153,31 @@ class RequestClaims:
             self._look(name, path, 0, _size(path), new)
 
     def try_claim(self, key: str) -> bool:
-        """Claim ``key`` (``True``), or ``False`` while another process holds it."""
-        if self._fd is None:
-            self.cache_dir.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(self.cache_dir / CLAIMS_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        """Claim ``key`` (``True``), or ``False`` while another process holds it. Where the lock file
+        cannot be opened or the filesystem has no record locks (``ENOLCK``, ``EOPNOTSUPP``: some network
+        filesystems), claims are off for the job, said once: every claim succeeds, as before claims
+        existed (a job never waits on a lock that cannot be taken)."""
+        if self.disabled:
+            return True
         try:
+            if self._fd is None:
+                self.cache_dir.mkdir(parents=True, exist_ok=True)
+                self._fd = os.open(self.cache_dir / CLAIMS_NAME, os.O_RDWR | os.O_CREAT, 0o644)
             fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, _offset(key))
-        except OSError:  # EACCES or EAGAIN: held
-            return False
+        except OSError as exc:
+            if exc.errno in (errno.EACCES, errno.EAGAIN):  # held by another process
+                return False
+            self.disabled = True
+            if self.warn is not None:
+                self.warn(f"warning: {self.cache_dir / CLAIMS_NAME}: requests are not claimed across datasets "
+                          f"({exc.strerror or exc}): datasets generated at once may pay an identical request twice")
+            return True
         return True
 
     def release(self, key: str) -> None:
         """Give the claim up (after the answer is in the cache, or the request given up)."""
         self.wanted.discard(key)
-        if self._fd is not None:
+        if self._fd is not None and not self.disabled:
             fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, _offset(key))
 
     def answer(self, key: str) -> tuple[str, dict[str, Any]] | None:
