@@ -318,3 +318,74 @@ def test_whitespace_ambiguity_is_checked_whatever_the_prompt_verdict(k25, tmp_pa
     s = rows["strip2-prompt"]
     assert s["prompt_verdict"] == "differs" and "whitespace_ambiguous" in s["reasons"]
     assert s["completion_verdict"] == "mismatch" and not s["train"]
+
+
+def _stats(n, provider, finish, ours, billed, codes=()):
+    from eagledata.tokens.checks import SampleStats
+    return [SampleStats(f"{provider}-{finish}-{billed}-{i}", provider, finish, 10, ours, 0, True, 10, billed, None,
+                        codes=list(codes)) for i in range(n)]
+
+
+def test_compact_arguments_cast_no_count_convention_vote():
+    """A provider that re-serializes tool arguments compactly and bills the model's spaced text
+    without <|im_end|>: a call whose compaction saved one token agrees under counts_eot (ours, with
+    the compact ids and <|im_end|>, equals the billed spaced count). Such votes, most of a tool-call
+    group, flipped its convention and admitted the compact ids as exact. They cast no vote now: the
+    group follows its other samples, else the provider's; spaced tool calls still teach their own."""
+    from eagledata.tokens import summaries
+    from eagledata.tokens.checks import convention_for, count_vote, verdict
+
+    compact = _stats(15, "P", "tool_calls", 30, 30, ["tool_arguments_compact"])  # agree under counts_eot
+    stats = _stats(10, "P", "stop", 20, 19) + compact + _stats(2, "P", "tool_calls", 30, 29)
+    conv = learn_conventions(stats)
+    assert conv["P"]["convention"] == "excludes_eot" and conv["P"]["support"] == {"excludes_eot": 12}
+    assert conv["P"]["by_finish"]["tool_calls"] == {"convention": "excludes_eot", "support": {"excludes_eot": 2}}
+    assert count_vote(compact[0]) is None
+    assert convention_for(conv, "P", "tool_calls", count_vote(compact[0])) == "excludes_eot"
+    v, reasons = verdict(compact[0], convention_for(conv, "P", "tool_calls", count_vote(compact[0])))
+    assert v == "mismatch" and "completion_count_mismatch" in reasons  # the respacing repair may prove it
+    # a group of compact calls alone follows the provider's convention; a provider of compact calls alone has none
+    only_compact = learn_conventions(_stats(5, "Q", "stop", 20, 19) + _stats(9, "Q", "tool_calls", 30, 30,
+                                                                            ["tool_arguments_compact"]))
+    assert "tool_calls" not in only_compact["Q"]["by_finish"]
+    assert convention_for(only_compact, "Q", "tool_calls") == "excludes_eot"
+    assert learn_conventions(_stats(4, "R", "tool_calls", 30, 30, ["tool_arguments_compact"]))["R"]["convention"] == "unknown"
+    # spaced tool calls that count <|im_end|> after a call, unlike the provider's plain answers, still teach it
+    flipped = learn_conventions(stats + _stats(3, "P", "tool_calls", 31, 31))
+    assert flipped["P"]["by_finish"]["tool_calls"]["convention"] == "counts_eot"
+    # the per-shard summaries learn the same
+    learned, _, _ = summaries.learn(summaries.merge([summaries.summarize(stats[:12]), summaries.summarize(stats[12:])]))
+    assert learned["P"]["support"] == conv["P"]["support"]
+    assert learned["P"]["by_finish"]["tool_calls"] == conv["P"]["by_finish"]["tool_calls"]
+
+
+def test_compact_json_is_told_from_spaced_json():
+    from eagledata.tokens.checks import compact_json
+
+    for text in ('{"a":1}', '[1,2]', '{"k":false}', '{"a":"x, y: z"}', '{"a":{"b":[1,{"c":"\\"q: r\\""}]}}',
+                 '{"p":19.90}'):
+        assert compact_json(text), text
+    for text in ('{"a": 1}', '{}', '[]', '"a,b:c"', '{"a":', 'not json', '', '{"a":1, "b":2}', '{\n"a":1}', '[1]'):
+        assert not compact_json(text), text
+
+
+def test_compact_arguments_that_count_alike_spaced_are_ambiguous(k25, tmp_path):
+    """Spacing ``{"k":false}`` costs no token (`` false`` is one token as ``false`` is): a compact
+    call's count agrees with the model's spaced arguments as with the returned ones, so its ids cannot
+    be singled out, whether or not the provider is known to compact (it was admitted as exact)."""
+    tok, fam = k25
+    n_prompt = len(prompt_ids(tok, MSGS))
+    r = " Use the tool."
+    spaced, compact = '{"k": false}', '{"k":false}'
+    truth = _true_len(tok, fam, r, "", [ToolCall("functions.f:0", "f", spaced)], "tool_calls")
+    assert truth == _true_len(tok, fam, r, "", [ToolCall("functions.f:0", "f", compact)], "tool_calls")
+    rows, _ = _judge(tok, fam, tmp_path, [
+        _rec("flag", "C", r, "", truth, n_prompt, [("functions.f:0", "f", compact)], "tool_calls"),
+        _rec("plain", "C", r, " ok", _true_len(tok, fam, r, " ok"), n_prompt),
+        _rec("plain2", "C", r, " fine", _true_len(tok, fam, r, " fine"), n_prompt),
+        _rec("spaced", "C", r, "", truth, n_prompt, [("functions.f:0", "f", spaced)], "tool_calls"),
+    ])
+    flag = rows["flag"]
+    assert flag["verdict"] == "mismatch" and not flag["train"], flag["reasons"]
+    assert {"tool_arguments_compact", "tool_arguments_ambiguous"} <= set(flag["reasons"])
+    assert rows["spaced"]["verdict"] == rows["plain"]["verdict"] == "exact"

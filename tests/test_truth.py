@@ -82,3 +82,33 @@ def test_engine_token_ids_are_the_tokens_and_the_text_path_is_measured(demo_tok,
                 assert kinds[-1] == "end_of_turn" and "think_close" in kinds
                 if endpoint == "chat":  # the stand-in's text decodes the ids faithfully
                     assert "text_path_differs" not in row["reasons"]
+
+
+@pytest.mark.parametrize("model", ["k2", "k25"])
+def test_a_compacting_provider_teaches_no_wrong_count_convention(model, request, tmp_path):
+    """Stand-in provider ``no-eot-compact-args`` re-serializes tool arguments as compact JSON and bills
+    the model's spaced text without <|im_end|>. A call whose compaction saved exactly one token agrees
+    under counts_eot with the compact ids; those answers once outvoted the rest of the tool_calls group,
+    which then admitted them as exact with ids the model never produced (7 of 96 on K2, 22 on K2.5)
+    and never tried the respacing repair. Over the real tokenizers, no answer is admitted with other
+    ids than the model's, and the respacing repair (proven on the provider's samples) restores most."""
+    tok, fam = request.getfixturevalue(model)
+    records, truths = [], {}
+    for seed in range(6):
+        prompts = [dict(p, id=f"{p['id']}-s{seed}") for p in demo_prompts(("tools",))]
+        r, t = ask_stand_in(tok, fam, "no-eot-compact-args", seed, prompts)
+        records += r
+        truths.update(t)
+    path = tmp_path / "responses.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    manifest = build_token_shards(path, tmp_path / "tokens", tok, fam, "compact", shard_size=32).manifest
+    rows = read_shards(tmp_path / "tokens").to_dicts()
+    wrong = [r["id"] for r in rows if r["completion_verdict"] in ("exact", "repaired")
+             and r["input_ids"][r["prompt_len"]:] != truths[r["id"]].ids]
+    assert wrong == []
+    learned = manifest["conventions"]["Simulator"]
+    assert learned["convention"] == "excludes_eot"
+    assert learned["by_finish"].get("tool_calls", {"convention": "excludes_eot"})["convention"] == "excludes_eot"
+    calls = [r for r in rows if r["finish_reason"] == "tool_calls"]
+    respaced = [r for r in calls if "tool_arguments_respaced" in r["reasons"]]
+    assert len(respaced) > len(calls) * 3 // 4 and all(r["completion_verdict"] == "repaired" for r in respaced)

@@ -47,6 +47,9 @@ IMPLICATED: dict[str, tuple[str | None, str]] = {
                                     "of content, the tool arguments"),
     "whitespace_ambiguous": ("suspect", "the first token of reasoning and of content (a stripped space may or may not "
                                         "belong there)"),
+    "tool_arguments_ambiguous": ("suspect", "the tool arguments (the model's spacing may or may not belong there)"),
+    "tool_arguments_compact": (None, "no token: the tool arguments came as compact JSON (this sample cast no "
+                                     "count-convention vote)"),
     "tool_id_index_unexpected": ("suspect", "the tool-call ids (a native id's index differs from the conversation count)"),
     "prompt_count_mismatch": (None, "no completion token: the difference is in the prompt"),
     "prompt_order_unproven": (None, "no completion token: the prompt's tool key order is unproven"),
@@ -147,7 +150,7 @@ def implicated_tokens(code: str, ids: Sequence[int], segments: Sequence[Mapping[
         applied = " ".join((repair or {}).get("transforms") or [])
         kinds = [k for k in ("reasoning", "content") if f"whitespace_restored:{k}" in applied] or ["reasoning", "content"]
         pos = [s["start"] for k in kinds for s in by_kind.get(k, [])[:1]]
-    elif code == "tool_arguments_respaced":
+    elif code in ("tool_arguments_respaced", "tool_arguments_ambiguous"):
         pos = span(["tool_arguments"])
     elif code in ("repair_ambiguous", "whitespace_ambiguous"):
         pos = [s["start"] for k in ("reasoning", "content") for s in by_kind.get(k, [])[:1]]

@@ -11,6 +11,7 @@ are fields of the profile. :data:`PROFILES` names the built-in ones.
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import string
@@ -144,6 +145,16 @@ def tool_markup_in_reasoning(msg: ProviderMessage, ctx: QuirkContext) -> None:
     msg.finish_reason = "stop"
 
 
+def compact_tool_arguments(msg: ProviderMessage, ctx: QuirkContext) -> None:
+    """Tool-call arguments re-serialized as compact JSON (``{"a":1}`` for the model's ``{"a": 1}``),
+    as a provider that parses and re-dumps them does. Arguments that are no JSON stay as they are."""
+    for call in msg.tool_calls:
+        try:
+            call["arguments"] = json.dumps(json.loads(call["arguments"]), separators=(",", ":"), ensure_ascii=False)
+        except (ValueError, RecursionError):
+            pass
+
+
 def drop_reasoning(msg: ProviderMessage, ctx: QuirkContext) -> None:
     msg.reasoning = None
 
@@ -266,6 +277,8 @@ PROFILES: dict[str, ProviderProfile] = {
         replace(_EXACT, name="truncating", completion_hooks=(provider_length_cap,)),
         replace(_EXACT, name="noncanonical", completion_hooks=(noncanonical_split,)),
         _EXACT.with_hooks("no-eot-call-ids", rewrite_tool_ids, counts_end_of_turn=False),
+        _EXACT.with_hooks("compact-args", compact_tool_arguments),
+        _EXACT.with_hooks("no-eot-compact-args", compact_tool_arguments, counts_end_of_turn=False),
         replace(_EXACT, name="json-tools", completion_hooks=(json_tool_declaration,)),
         replace(_EXACT, name="unsorted-tools", completion_hooks=(unsorted_tool_declaration,)),
         replace(_EXACT, name="template-minus-one", completion_hooks=(template_variant_minus_one,)),

@@ -18,6 +18,8 @@ completion tokens include the final end-of-turn token) and ``excludes_eot``.
 
 from __future__ import annotations
 
+import json
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
@@ -73,6 +75,8 @@ REASONS: dict[str, tuple[str, str]] = {
     "tool_arguments_respaced": ("repair", "the provider re-serialized tool arguments as compact JSON; the model's spacing is the unique candidate matching the billed counts"),
     "repair_ambiguous": ("block", "more than one repair candidate matches the billed counts: the ids cannot be singled out"),
     "whitespace_ambiguous": ("block", "this provider strips leading spaces and the counts match with and without one: the ids cannot be singled out"),
+    "tool_arguments_ambiguous": ("block", "tool arguments came as compact JSON and the counts match with and without "
+                                          "the model's spacing: the ids cannot be singled out"),
     "ground_truth_ids": ("info", "the completion ids came from the serving engine itself (no reconstruction)"),
     "text_path_differs": ("info", "reconstructing from the returned text would have given different ids than the engine returned"),
     "prompt_path_differs": ("info", "the engine's prompt ids differ from our chat-template rendering (the engine's are used)"),
@@ -83,6 +87,9 @@ REASONS: dict[str, tuple[str, str]] = {
     "reasoning_boundary_unproven": ("block", "a thinking answer of reasoning alone whose reasoning count is not reported, "
                                     "reported as 0 or not a checksum: a provider that never split off the content "
                                     "(all of it returned as reasoning) bills the same total, so </think> may be misplaced"),
+    "tool_arguments_compact": ("info", "tool-call arguments came as compact JSON (no space after any ',' or ':'), as a "
+                               "provider that re-serializes them returns them: the billed count may be of the model's "
+                               "spaced arguments, so this sample casts no vote on its provider's count convention"),
     "reasoning_count_unchecked": ("info", "this provider's reasoning_tokens is learned not to be a checksum (it disagrees "
                                   "in both directions while the completion totals agree): the reasoning/content split "
                                   "was not count-checked, the completion total was"),
@@ -169,7 +176,30 @@ def structural_codes(sample: Sample, tokenizer: Tokenizer, family: ModelFamily) 
         if p.completion_tokens is None:
             codes.append("completion_count_missing")
     codes.extend(_structure_codes(rc, tokenizer, family, truncated=p.finish_reason == "length" or p.error is not None))
+    if "ground_truth_ids" not in rc.flags and any(compact_json(s.text) for s in rc.segments
+                                                  if s.kind == "tool_arguments" and s.text):
+        codes.append("tool_arguments_compact")
     return list(dict.fromkeys(codes))
+
+
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+
+
+def compact_json(text: str) -> bool:
+    """Whether ``text`` is JSON written compactly: a ``,`` or ``:`` outside strings, and no
+    whitespace outside strings anywhere (``{"a":1}``, not ``{"a": 1}`` nor ``{}``). Such arguments are
+    what a provider that parses and re-dumps them returns (the model spaces its JSON), so the
+    model's text may have been longer than the returned one."""
+    if not text or text[0] not in "[{":
+        return False
+    bare = _JSON_STRING.sub("", text)
+    if not ("," in bare or ":" in bare) or any(c.isspace() for c in bare):
+        return False
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return True
 
 
 def _stop_sequences(request: Mapping[str, Any]) -> bool:
@@ -300,9 +330,18 @@ def learn_conventions(stats: Iterable[SampleStats]) -> dict[str, dict]:
 def count_vote(s: SampleStats) -> str | None:
     """The convention this sample's billed completion count agrees under, when the sample can tell
     them apart (it ends in end-of-turn, is billed, has no error): its one vote in its group's
-    support. The two conventions differ by one token, so a count agrees under one at most."""
+    support. The two conventions differ by one token, so a count agrees under one at most.
+
+    A sample whose count a known provider transformation may have moved by a token casts no vote:
+    one whose end-of-turn may stand for a trimmed stop string (``stop_sequence_requested``), and one
+    whose tool-call arguments came as compact JSON (``tool_arguments_compact``): a provider that
+    re-serializes them bills the model's spaced arguments, so a call whose compaction saved one
+    token agrees under the other convention with ids the model never produced. Tool-call answers
+    are mostly such samples, so their votes could flip their finish reason's convention (and, in a
+    dataset of tool calls, the provider's) and admit the compact ids as exact."""
     if not s.has_eot or s.billed_completion is None or any(REASONS[k][0] == "error" for k in s.codes) \
-            or "stop_sequence_requested" in s.codes:  # its end-of-turn may stand for a trimmed stop string
+            or "stop_sequence_requested" in s.codes \
+            or "tool_arguments_compact" in s.codes:
         return None
     return next((conv for conv in CONVENTIONS if s.completion_diff(conv) == 0), None)
 

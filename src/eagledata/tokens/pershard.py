@@ -424,7 +424,7 @@ def judge_shard(part_path: str | Path, learned: Mapping[str, Any], store_dir: st
             return enumerate(chunk.select("segments", "finish_reason").iter_rows())
 
         judge.apply_repairs(stats, judged, rows(), known)
-        judge.whitespace_check(stats, judged, rows(), known)
+        judge.ambiguity_check(stats, judged, rows(), known)
         frames.append(with_verdicts(chunk.drop(list(_STATS_SCHEMA)), stats, judged, 0, learned["variants"], admitted))
         _add_counts(seen, transformations_seen(stats, judged))
     del part

@@ -67,7 +67,7 @@ from eagledata.tokens.checks import (COUNT_CODES, REASONS, SampleStats, completi
 from eagledata.tokens.learning import (learn_prompt_variants, learn_reasoning_reliability, provider_sorts_tool_keys,
                                       reasoning_checked, reasoning_vote, sample_variant)
 from eagledata.tokens.policy import Policy, resolve_policy
-from eagledata.tokens.repairs import (WHITESPACE_CONTENT, WHITESPACE_REASONING, RepairResult, applicable_transforms,
+from eagledata.tokens.repairs import (ARGUMENTS_RESPACED, WHITESPACE_CONTENT, WHITESPACE_REASONING, RepairResult, applicable_transforms,
                       parsed_from_segments, search_repairs)
 from eagledata.tokens.reconstruct import segments_json
 from eagledata.errors import InputError
@@ -453,7 +453,7 @@ def _judge(out: Path, shard_files: list[str], stats: list[SampleStats], conventi
 
     learned = proven_repairs(judge.repair_behaviours(stats, judged, rows()))
     judge.apply_repairs(stats, judged, rows(), learned)
-    judge.whitespace_check(stats, judged, rows(), learned)
+    judge.ambiguity_check(stats, judged, rows(), learned)
     return judged
 
 
@@ -521,30 +521,35 @@ class Judge:
                 if known:
                     self._repair(st, j, _row_parsed(segs, finish), _thinking_of(segs), known)
 
-    def whitespace_check(self, stats: Sequence[SampleStats], judged: Sequence[Judgement],
-                         rows: Iterable[tuple[int, tuple]], learned: Mapping[str, Iterable[str]]) -> None:
-        """After round 2: for a provider proven to strip leading spaces, a sample whose counts match
-        as it came (exact, or repaired during reconstruction: a rebuilt tool-call id...) and also
-        with a space restored is ambiguous. Its ids stay the text the provider returned (the
-        restored candidate is evidence, never stored), whatever its prompt's verdict (the default policy
-        admits a completion with a differing prompt). Samples a repair search already chose for
-        (round 2, whose candidates include the restored spaces) are not searched again."""
+    def ambiguity_check(self, stats: Sequence[SampleStats], judged: Sequence[Judgement],
+                        rows: Iterable[tuple[int, tuple]], learned: Mapping[str, Iterable[str]]) -> None:
+        """After round 2: a sample whose counts match as it came (exact, or repaired during
+        reconstruction: a rebuilt tool-call id...) and also with a provider transformation undone is
+        ambiguous: ``whitespace_ambiguous`` for a provider proven to strip leading spaces and a space
+        restored; ``tool_arguments_ambiguous`` for tool arguments that came as compact JSON
+        (``tool_arguments_compact``) and the model's spacing, whatever the provider (spacing a
+        ``false`` or a ``null`` may cost no token, and one compacting provider bills the spaced text
+        while another bills what it returns). Its ids stay the text the provider returned (the
+        candidate is evidence, never stored). Samples a repair search already chose for (round 2,
+        whose candidates include the restored spaces) are not searched again. The completion's verdict
+        decides, whatever the prompt's (the default policy admits a completion with a differing prompt)."""
         strippers = {p for p, ts in learned.items() if set(ts) & {WHITESPACE_REASONING, WHITESPACE_CONTENT}}
-        if not strippers:
-            return
         for i, (segs, finish) in rows:
             st, j = stats[i], judged[i]
             # the completion's verdict: a differing prompt (joint verdict mismatch) must not skip the check
-            if completion_verdict(j.reasons) not in ("exact", "repaired") or j.repair is not None \
-                    or st.provider not in strippers:
+            if completion_verdict(j.reasons) not in ("exact", "repaired") or j.repair is not None:
                 continue
-            res = search_repairs(_row_parsed(segs, finish), self.tokenizer, self.family, st.billed_completion,
-                                 self._billed_reasoning(st), self._conv(st), _thinking_of(segs),
-                                 only=(WHITESPACE_REASONING, WHITESPACE_CONTENT))
-            if res.status in ("unique", "ambiguous"):
-                j.reasons.append("whitespace_ambiguous")
-                j.verdict = verdict_of(j.reasons)
-                j.repair = dataclasses.replace(res, chosen=None)
+            checks = [(WHITESPACE_REASONING, WHITESPACE_CONTENT)] if st.provider in strippers else []
+            if "tool_arguments_compact" in st.codes:
+                checks.append((ARGUMENTS_RESPACED,))
+            for only in checks:
+                res = search_repairs(_row_parsed(segs, finish), self.tokenizer, self.family, st.billed_completion,
+                                     self._billed_reasoning(st), self._conv(st), _thinking_of(segs), only=only)
+                if res.status in ("unique", "ambiguous"):
+                    j.reasons.append("tool_arguments_ambiguous" if only == (ARGUMENTS_RESPACED,) else "whitespace_ambiguous")
+                    j.verdict = verdict_of(j.reasons)
+                    j.repair = dataclasses.replace(res, chosen=None)
+                    break
 
     def _repair(self, st: SampleStats, j: Judgement, parsed, thinking: bool, known: tuple[str, ...]) -> None:
         res = search_repairs(parsed, self.tokenizer, self.family, st.billed_completion, self._billed_reasoning(st),

@@ -28,7 +28,8 @@ from eagledata.tokens.checks import (EXCLUDES_EOT, COUNTS_EOT, REASONS, SampleSt
 from eagledata.tokens.learning import MIN_VARIANT_SAMPLES, RENDERINGS, diff_under, key_order_learned, variant_name
 
 # 2: a sample whose end may be a trimmed stop string casts no count-convention vote; 3: the tools in the
-# request's key order (a rendering, and the key-order votes)
+# request's key order (a rendering, and the key-order votes), and no vote from a tool call whose
+# arguments came as compact JSON
 SUMMARY_VERSION = 3
 _RENDERINGS = RENDERINGS
 
