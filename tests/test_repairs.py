@@ -389,3 +389,23 @@ def test_compact_arguments_that_count_alike_spaced_are_ambiguous(k25, tmp_path):
     assert flag["verdict"] == "mismatch" and not flag["train"], flag["reasons"]
     assert {"tool_arguments_compact", "tool_arguments_ambiguous"} <= set(flag["reasons"])
     assert rows["spaced"]["verdict"] == rows["plain"]["verdict"] == "exact"
+
+
+def test_a_repair_that_keeps_compact_arguments_is_ambiguous_when_spacing_counts_alike(k25, tmp_path):
+    """A provider proven to strip leading spaces (not to compact): a sample with a stripped space and
+    compact ``{"k":false}`` arguments is explained by the space restored with the arguments as they
+    came and with the model's spacing too (which costs no token there): no single candidate, a
+    mismatch (it was repaired with the compact arguments kept)."""
+    tok, fam = k25
+    n_prompt = len(prompt_ids(tok, MSGS))
+    r, true_c = " Let me count.", " pneumonoultra is here."
+    assert _true_len(tok, fam, r, true_c) != _true_len(tok, fam, r, true_c.lstrip())
+    call = [ToolCall("functions.f:0", "f", '{"k": false}')]
+    records = [_rec(f"strip{i}", "S", r, true_c.lstrip(), _true_len(tok, fam, r, true_c), n_prompt) for i in range(2)]
+    records += [_rec(f"plain{i}", "S", r, f" Answer {i}.", _true_len(tok, fam, r, f" Answer {i}."), n_prompt) for i in range(3)]
+    records.append(_rec("both", "S", r, true_c.lstrip(), _true_len(tok, fam, r, true_c, call, "tool_calls"), n_prompt,
+                        [("functions.f:0", "f", '{"k":false}')], "tool_calls"))
+    rows, _ = _judge(tok, fam, tmp_path, records)
+    assert rows["strip0"]["verdict"] == "repaired" and "whitespace_restored" in rows["strip0"]["reasons"]
+    both = rows["both"]
+    assert both["verdict"] == "mismatch" and "repair_ambiguous" in both["reasons"] and not both["train"], both["reasons"]

@@ -554,6 +554,11 @@ class Judge:
     def _repair(self, st: SampleStats, j: Judgement, parsed, thinking: bool, known: tuple[str, ...]) -> None:
         res = search_repairs(parsed, self.tokenizer, self.family, st.billed_completion, self._billed_reasoning(st),
                              self._conv(st), thinking, only=known)
+        if res.status == "unique" and "tool_arguments_compact" in st.codes and ARGUMENTS_RESPACED not in known:
+            # a provider not (yet) proven to compact: the model's spacing may explain the count as well
+            wider = search_repairs(parsed, self.tokenizer, self.family, st.billed_completion, self._billed_reasoning(st),
+                                   self._conv(st), thinking, only=known + (ARGUMENTS_RESPACED,))
+            res = wider if wider.status == "ambiguous" else res
         j.repair = res
         if res.status == "unique":
             kept = [c for c in j.reasons if c not in COUNT_CODES]
