@@ -409,3 +409,13 @@ def test_a_repair_that_keeps_compact_arguments_is_ambiguous_when_spacing_counts_
     assert rows["strip0"]["verdict"] == "repaired" and "whitespace_restored" in rows["strip0"]["reasons"]
     both = rows["both"]
     assert both["verdict"] == "mismatch" and "repair_ambiguous" in both["reasons"] and not both["train"], both["reasons"]
+
+
+def test_integers_a_double_cannot_hold_are_not_respaced():
+    """A re-serializer reading numbers as doubles (JavaScript) rewrites an integer beyond 2**53 with
+    other digits and most likely the same count: such compact text is no respacing candidate."""
+    from eagledata.tokens.repairs import _respaced
+    assert _respaced('{"id":9007199254740992}') == '{"id": 9007199254740992}'
+    for big in ("9007199254740993", "12345678901234567000", "-12345678901234567890"):
+        assert _respaced('{"id":%s}' % big) is None, big
+        assert _respaced('{"ids":[1,{"n":%s}]}' % big) is None, big

@@ -71,14 +71,25 @@ def parsed_from_segments(segments: list[Mapping[str, Any]], finish_reason: str |
                           tool_calls=[calls[i] for i in sorted(calls)], finish_reason=finish_reason)
 
 
+#: Integers beyond this lose digits in a re-serializer that reads numbers as doubles (JavaScript):
+#: ``12345678901234567890`` comes back ``12345678901234567000``, most likely with the same count.
+EXACT_DOUBLE_INTEGERS = 2 ** 53
+
+
 def _respaced(arguments: str) -> str | None:
     """The arguments as the model spaces JSON, or ``None`` when there is nothing to respace or the
     respacing could not be proven to change only whitespace: a number with a fraction or an
     exponent (``19.90``, ``1e3``) is spelled by whoever serialized it last, so the model's digits
-    cannot be recovered from a re-serialized text (and ``19.90`` and ``19.9`` may count alike)."""
+    cannot be recovered from a re-serialized text (and ``19.90`` and ``19.9`` may count alike); an
+    integer beyond :data:`EXACT_DOUBLE_INTEGERS` may have lost its last digits."""
     spelled: list[str] = []
+
+    def integer(text: str) -> int:
+        if abs(int(text)) > EXACT_DOUBLE_INTEGERS:
+            spelled.append(text)
+        return int(text)
     try:  # a provider's arguments: nested too deeply for the standard library is no JSON to respace
-        value = json.loads(arguments, parse_float=lambda text: spelled.append(text) or float(text))
+        value = json.loads(arguments, parse_float=lambda text: spelled.append(text) or float(text), parse_int=integer)
         spaced = json.dumps(value, ensure_ascii=False)
     except (ValueError, RecursionError):
         return None
