@@ -112,7 +112,7 @@ def test_compact_json_arguments_are_respaced(k25, tmp_path):
     tok, fam = k25
     n_prompt = len(prompt_ids(tok, MSGS))
     r = " Use the tool."
-    spaced, compact = '{"a": 2, "b": 3}', '{"a":2,"b":3}'
+    spaced, compact = '{"b": 3, "a": 2}', '{"b":3,"a":2}'  # unsorted: no sorting re-serializer wrote it
     truth = _true_len(tok, fam, r, "", [ToolCall("functions.add:0", "add", spaced)], "tool_calls")
     rows, _ = _judge(tok, fam, tmp_path, [
         _rec("compact", "Groq-like", r, "", truth, n_prompt, [("functions.add:0", "add", compact)], "tool_calls"),
@@ -222,7 +222,7 @@ def test_arguments_with_a_fraction_are_not_respaced(k25, tmp_path):
     tok, fam = k25
     n_prompt = len(prompt_ids(tok, MSGS))
     r = " Use the tool."
-    spaced, compact = '{"a": 2, "b": 3}', '{"a":2,"b":3}'
+    spaced, compact = '{"b": 3, "a": 2}', '{"b":3,"a":2}'  # unsorted: no sorting re-serializer wrote it
     model, sent = '{"item": "book", "price": 19.90}', '{"item":"book","price":19.90}'
     truth = _true_len(tok, fam, r, "", [ToolCall("functions.add:0", "add", spaced)], "tool_calls")
     priced = _true_len(tok, fam, r, "", [ToolCall("functions.f:0", "f", model)], "tool_calls")
@@ -419,3 +419,73 @@ def test_integers_a_double_cannot_hold_are_not_respaced():
     for big in ("9007199254740993", "12345678901234567000", "-12345678901234567890"):
         assert _respaced('{"id":%s}' % big) is None, big
         assert _respaced('{"ids":[1,{"n":%s}]}' % big) is None, big
+
+
+MODEL_ARGS = '{"origin": "Lisbon", "destination": "Oslo"}'  # the model's order: not sorted
+SORTED_SPACED = '{"destination": "Oslo", "origin": "Lisbon"}'  # a sort_keys re-serializer's, same count
+SORTED_COMPACT = '{"destination":"Oslo","origin":"Lisbon"}'
+
+
+def _call_rec(tok, fam, n_prompt, rid, provider, returned, truth_args=MODEL_ARGS):
+    """A tool call whose billed count is the model's (``truth_args``) and whose returned arguments are ``returned``."""
+    r = " Book it."
+    truth = _true_len(tok, fam, r, "", [ToolCall("functions.book:0", "book", truth_args)], "tool_calls")
+    return _rec(rid, provider, r, "", truth, n_prompt, [("functions.book:0", "book", returned)], "tool_calls")
+
+
+def test_a_sorted_key_order_is_never_respaced_into_a_repair(k25, tmp_path):
+    """A provider re-dumping arguments with sorted keys and compact separators: respacing gives the
+    model's count with the keys in the provider's order (counts cannot see order). Without proof that
+    the provider keeps key order the sample stays a mismatch, its ids the returned text; a provider
+    whose other arguments show unsorted keys (it does not sort) is repaired."""
+    tok, fam = k25
+    n_prompt = len(prompt_ids(tok, MSGS))
+    assert _true_len(tok, fam, "x", "", [ToolCall("functions.book:0", "book", MODEL_ARGS)], "tool_calls") == \
+        _true_len(tok, fam, "x", "", [ToolCall("functions.book:0", "book", SORTED_SPACED)], "tool_calls")
+    keeper_args = '{"origin":"Lisbon","destination":"Oslo"}'
+    rows, manifest = _judge(tok, fam, tmp_path, [
+        _call_rec(tok, fam, n_prompt, "sorter1", "Sorter", SORTED_COMPACT),
+        _call_rec(tok, fam, n_prompt, "sorter2", "Sorter", SORTED_COMPACT),
+        _rec("plain", "Sorter", " r", " ok", _true_len(tok, fam, " r", " ok"), n_prompt),  # its convention
+        # the same sorted arguments from a provider whose other samples keep an unsorted order
+        _call_rec(tok, fam, n_prompt, "keeper-sorted", "Keeper", SORTED_COMPACT, SORTED_SPACED),
+        _call_rec(tok, fam, n_prompt, "keeper1", "Keeper", keeper_args),
+        _call_rec(tok, fam, n_prompt, "keeper2", "Keeper", keeper_args),
+        _rec("plain-k", "Keeper", " r", " ok", _true_len(tok, fam, " r", " ok"), n_prompt),
+    ])
+    for rid in ("sorter1", "sorter2"):
+        row = rows[rid]
+        assert row["verdict"] == "mismatch" and not row["train"], row["reasons"]
+        assert "tool_arguments_order_unproven" in row["reasons"] and "tool_arguments_respaced" not in row["reasons"]
+        assert "completion_count_mismatch" in row["reasons"] and row["completion_diff"] != 0
+        args = [s for s in json.loads(row["segments"]) if s["kind"] == "tool_arguments"]
+        assert args[0]["text"] == SORTED_COMPACT  # the returned text, never the candidate
+        assert json.loads(row["repair"])["status"] == "unique"  # the candidate stays evidence
+    for rid in ("keeper-sorted", "keeper1"):
+        assert rows[rid]["verdict"] == "repaired" and "tool_arguments_respaced" in rows[rid]["reasons"]
+    assert "key_order_kept" not in manifest["conventions"]["Sorter"].get("transformations_seen", {})
+
+
+def test_key_order_decision():
+    from eagledata.tokens.repairs import key_order_in_question, shows_key_order_kept
+
+    def parsed(*arguments):
+        calls = [ToolCall(f"functions.f:{i}", "f", a, i) for i, a in enumerate(arguments)]
+        return ParsedResponse(streamed=False, reasoning=None, content=None, tool_calls=calls, finish_reason="tool_calls")
+
+    # nothing a sorter could have reordered: no object with two keys, or no JSON at all
+    for args in ('{"b": 1}', '{"b": {"z": [1, {"y": 2}]}}', '[1, 2]', '{"b": ', ''):
+        assert not key_order_in_question(parsed(args), order_kept=False), args
+        assert not shows_key_order_kept(parsed(args)), args
+    # sorted at every level (nested objects too): in question unless the provider is proven to keep order
+    for args in ('{"a": 1, "b": 2}', '{"x": {"a": 1, "b": 2}}', '{"a": {"k": 1}, "b": [{"c": 1, "d": 2}]}'):
+        assert key_order_in_question(parsed(args), order_kept=False), args
+        assert not key_order_in_question(parsed(args), order_kept=True), args
+        assert not shows_key_order_kept(parsed(args)), args
+    # an unsorted object anywhere in the response proves this response was not key-sorted
+    for args in (('{"b": 1, "a": 2}',), ('{"a": 1, "b": {"d": 1, "c": 2}}',), ('{"a": 1, "b": 2}', '{"q": 1, "p": 2}')):
+        assert not key_order_in_question(parsed(*args), order_kept=False), args
+        assert shows_key_order_kept(parsed(*args)), args
+    # integer-like keys: JavaScript's JSON puts them first, so their order proves nothing
+    assert key_order_in_question(parsed('{"2": 1, "10": 2}'), order_kept=False)
+    assert not shows_key_order_kept(parsed('{"b": 1, "1": 2}'))

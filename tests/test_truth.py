@@ -112,3 +112,40 @@ def test_a_compacting_provider_teaches_no_wrong_count_convention(model, request,
     calls = [r for r in rows if r["finish_reason"] == "tool_calls"]
     respaced = [r for r in calls if "tool_arguments_respaced" in r["reasons"]]
     assert len(respaced) > len(calls) * 3 // 4 and all(r["completion_verdict"] == "repaired" for r in respaced)
+
+
+#: A tool whose required arguments the stand-in's model writes in schema order, not sorted.
+FLIGHTS = {"type": "function", "function": {"name": "search_flights", "description": "Search flights.",
+           "parameters": {"type": "object", "properties": {
+               "origin": {"type": "string"}, "destination": {"type": "string"}, "date": {"type": "string"},
+               "passengers": {"type": "integer"}, "cabin": {"type": "string", "enum": ["economy", "business"]}},
+               "required": ["origin", "destination", "date", "passengers", "cabin"]}}}
+
+
+@pytest.mark.parametrize("profile", ["compact-args", "sorted-compact-args"])
+def test_re_serialized_arguments_never_admit_a_reordering(profile, k25, tmp_path):
+    """Providers re-serializing tool-call arguments, with the real K2.5 tokenizer (whose counts do not
+    see key order): no completion is admitted whose ids differ from the model's; a provider that keeps
+    key order (its arguments show unsorted keys) is still repaired."""
+    tok, fam = k25
+    prompts = [{"id": f"fl-{i:03d}", "messages": [{"role": "user", "content": f"Find me flight number {i} please."}],
+                "tools": [FLIGHTS]} for i in range(24)]
+    records, truths = ask_stand_in(tok, fam, profile, SEED, prompts)
+    path = tmp_path / "responses.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    build_token_shards(path, tmp_path / "tokens", tok, fam, profile, shard_size=8)
+    rows = {r["id"]: r for r in read_shards(tmp_path / "tokens").iter_rows(named=True)}
+    admitted, calls = [], 0
+    for rec in records:
+        row, truth = rows[rec["id"]], truths[rec["id"]]
+        calls += any(s.kind == "tool_arguments" for s in truth.segments)
+        if row["completion_verdict"] in ("exact", "repaired"):
+            admitted.append(row)
+            assert row["input_ids"][row["prompt_len"]:] == truth.ids, (profile, rec["id"], row["reasons"])
+    assert calls >= 10
+    with_calls = [r for r in rows.values() if '"tool_arguments"' in r["segments"]]
+    if profile == "compact-args":
+        assert all(r["completion_verdict"] == "repaired" and "tool_arguments_respaced" in r["reasons"] for r in with_calls)
+    else:
+        assert all(r["completion_verdict"] == "mismatch" and "tool_arguments_order_unproven" in r["reasons"]
+                   for r in with_calls)

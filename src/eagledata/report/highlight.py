@@ -48,6 +48,8 @@ IMPLICATED: dict[str, tuple[str | None, str]] = {
     "whitespace_ambiguous": ("suspect", "the first token of reasoning and of content (a stripped space may or may not "
                                         "belong there)"),
     "tool_arguments_ambiguous": ("suspect", "the tool arguments (the model's spacing may or may not belong there)"),
+    "tool_arguments_order_unproven": ("suspect", "the tool arguments (their keys may be in the provider's sorted order, "
+                                                 "not the model's)"),
     "tool_arguments_compact": (None, "no token: the tool arguments came as compact JSON (this sample cast no "
                                      "count-convention vote)"),
     "tool_id_index_unexpected": ("suspect", "the tool-call ids (a native id's index differs from the conversation count)"),
@@ -150,7 +152,7 @@ def implicated_tokens(code: str, ids: Sequence[int], segments: Sequence[Mapping[
         applied = " ".join((repair or {}).get("transforms") or [])
         kinds = [k for k in ("reasoning", "content") if f"whitespace_restored:{k}" in applied] or ["reasoning", "content"]
         pos = [s["start"] for k in kinds for s in by_kind.get(k, [])[:1]]
-    elif code in ("tool_arguments_respaced", "tool_arguments_ambiguous"):
+    elif code in ("tool_arguments_respaced", "tool_arguments_ambiguous", "tool_arguments_order_unproven"):
         pos = span(["tool_arguments"])
     elif code in ("repair_ambiguous", "whitespace_ambiguous"):
         pos = [s["start"] for k in ("reasoning", "content") for s in by_kind.get(k, [])[:1]]

@@ -155,6 +155,17 @@ def compact_tool_arguments(msg: ProviderMessage, ctx: QuirkContext) -> None:
             pass
 
 
+def sorted_compact_tool_arguments(msg: ProviderMessage, ctx: QuirkContext) -> None:
+    """Tool-call arguments re-serialized compact with keys sorted and non-ASCII escaped
+    (``json.dumps(sort_keys=True, separators=(",", ":"))``; Go's maps and Rust's ``BTreeMap`` sort keys
+    alike): the model's key order is gone, at the same token count."""
+    for call in msg.tool_calls:
+        try:
+            call["arguments"] = json.dumps(json.loads(call["arguments"]), sort_keys=True, separators=(",", ":"))
+        except (ValueError, RecursionError):
+            pass
+
+
 def drop_reasoning(msg: ProviderMessage, ctx: QuirkContext) -> None:
     msg.reasoning = None
 
@@ -279,6 +290,7 @@ PROFILES: dict[str, ProviderProfile] = {
         _EXACT.with_hooks("no-eot-call-ids", rewrite_tool_ids, counts_end_of_turn=False),
         _EXACT.with_hooks("compact-args", compact_tool_arguments),
         _EXACT.with_hooks("no-eot-compact-args", compact_tool_arguments, counts_end_of_turn=False),
+        _EXACT.with_hooks("sorted-compact-args", sorted_compact_tool_arguments),
         replace(_EXACT, name="json-tools", completion_hooks=(json_tool_declaration,)),
         replace(_EXACT, name="unsorted-tools", completion_hooks=(unsorted_tool_declaration,)),
         replace(_EXACT, name="template-minus-one", completion_hooks=(template_variant_minus_one,)),

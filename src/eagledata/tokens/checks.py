@@ -73,6 +73,10 @@ REASONS: dict[str, tuple[str, str]] = {
     "reasoning_in_content": ("repair", "reasoning came inside content between think tags and was split out"),
     "whitespace_restored": ("repair", "the provider stripped a leading space; restoring it is the unique candidate matching the billed counts"),
     "tool_arguments_respaced": ("repair", "the provider re-serialized tool arguments as compact JSON; the model's spacing is the unique candidate matching the billed counts"),
+    "tool_arguments_order_unproven": ("block", "respacing the re-serialized tool arguments matches the billed counts, but an object "
+                                      "in them has several keys, all in sorted order, from a provider not proven to keep key "
+                                      "order (fewer than 2 samples whose arguments show unsorted keys): a re-serializer that "
+                                      "sorts keys bills the model's order with the same count, so the ids cannot be proven"),
     "repair_ambiguous": ("block", "more than one repair candidate matches the billed counts: the ids cannot be singled out"),
     "whitespace_ambiguous": ("block", "this provider strips leading spaces and the counts match with and without one: the ids cannot be singled out"),
     "tool_arguments_ambiguous": ("block", "tool arguments came as compact JSON and the counts match with and without "

@@ -380,7 +380,8 @@ def learn_repairs(learned_path: str | Path, part_paths: Sequence[str | Path], ou
                   tokenizer: Tokenizer, family: ModelFamily) -> dict[str, Any]:
     """``learned.json`` plus ``repairs``: per provider, the transformations samples prove it applies
     (searched on the samples needing a repair only, one part at a time; at least
-    :data:`~eagledata.tokens.shards.MIN_REPAIR_EVIDENCE` samples each, counted in ``repair_evidence``)."""
+    :data:`~eagledata.tokens.shards.MIN_REPAIR_EVIDENCE` samples each, counted in ``repair_evidence``),
+    and ``key_order_kept`` where as many samples' arguments prove the provider keeps key order."""
     learned = json.loads(Path(learned_path).read_text(encoding="utf-8"))
     judge = Judge(learned["conventions"], learned["reliability"], tokenizer, family)
     found: dict[str, dict[str, int]] = {}
@@ -389,14 +390,14 @@ def learn_repairs(learned_path: str | Path, part_paths: Sequence[str | Path], ou
         stats = part_stats(df)
         judged = judge.first_verdicts(stats)
         need = [i for i, j in enumerate(judged) if repairable(j.reasons)]
-        if not need:
-            continue
         segs = pl.read_parquet(path, columns=["segments", "finish_reason"])
         rows = [(i, (segs["segments"][i], segs["finish_reason"][i])) for i in need]
-        for provider, counts in judge.repair_behaviours(stats, judged, rows).items():
-            into = found.setdefault(provider, {})
-            for t, n in counts.items():
-                into[t] = into.get(t, 0) + n
+        # key order evidence: any sample with tool-call arguments
+        for evidence in (judge.repair_behaviours(stats, judged, rows), judge.key_order_evidence(stats, enumerate(segs.iter_rows()))):
+            for provider, counts in evidence.items():
+                into = found.setdefault(provider, {})
+                for t, n in counts.items():
+                    into[t] = into.get(t, 0) + n
     learned["repairs"] = {p: sorted(ts) for p, ts in proven_repairs(found).items()}
     learned["repair_evidence"] = found
     atomic_write_json(out_path, learned)

@@ -11,6 +11,13 @@ Known transformations and their inverses:
 (Rewritten tool-call ids and tool markup leaked into text are undone during reconstruction; their
 ids are structurally determined, so they need no search.)
 
+Counts cannot see key order: a provider that re-serializes arguments with sorted keys (Go's maps,
+Rust's ``BTreeMap``, ``json.dumps(sort_keys=True)``) bills the model's order and returns another with
+the same token count. A respacing repair proves its provider re-serialized the arguments, so it is
+chosen only where :func:`key_order_in_question` says the order cannot be a sorter's;
+:func:`shows_key_order_kept` tells the samples proving a provider does not sort (learned as
+:data:`KEY_ORDER_KEPT`, like a transformation).
+
 :func:`search_repairs` builds every candidate the applicable transformations allow (each non-empty
 combination) and accepts one only when it is the *unique* candidate that matches every billed count
 (completion under the provider's convention, reasoning where reported). Two or more matching
@@ -94,6 +101,51 @@ def _respaced(arguments: str) -> str | None:
     except (ValueError, RecursionError):
         return None
     return spaced if spaced != arguments and not spelled else None
+
+
+#: A provider's behaviour learned like a transformation: at least ``MIN_REPAIR_EVIDENCE`` samples
+#: whose returned arguments show keys in an order no known re-serializer produces
+#: (:func:`shows_key_order_kept`). Only then is a sorted key order in a respaced repair taken as the model's.
+KEY_ORDER_KEPT = "key_order_kept"
+
+
+def _objects_key_orders(arguments: str) -> list[list[str]] | None:
+    """The key order of every JSON object in ``arguments`` (nested ones included), or ``None`` when
+    the arguments are no JSON."""
+    orders: list[list[str]] = []
+
+    def pairs(items: list[tuple[str, Any]]) -> dict:
+        orders.append([k for k, _ in items])
+        return dict(items)
+    try:
+        json.loads(arguments, object_pairs_hook=pairs)
+    except (ValueError, RecursionError):
+        return None
+    return orders
+
+
+def _telling(keys: list[str]) -> bool:
+    """Whether an object's key order is one no known re-serializer produces from another order: not
+    sorted (Go, Rust, ``sort_keys``) and without integer-like keys (JavaScript moves those first)."""
+    return len(keys) >= 2 and keys != sorted(keys) and not any(k.isdigit() for k in keys)
+
+
+def _calls_key_orders(parsed: ParsedResponse) -> list[list[str]]:
+    return [keys for c in parsed.tool_calls for keys in (_objects_key_orders(c.arguments) or [])]
+
+
+def shows_key_order_kept(parsed: ParsedResponse) -> bool:
+    """Whether the returned arguments prove their provider kept the model's key order this time:
+    some object has keys in a :func:`_telling` order (a sorting re-serializer sorts every object)."""
+    return any(_telling(keys) for keys in _calls_key_orders(parsed))
+
+
+def key_order_in_question(parsed: ParsedResponse, order_kept: bool) -> bool:
+    """Whether re-serialized tool-call arguments could be a reordering of the model's keys that the
+    counts cannot see: some object has two or more keys, none is in a :func:`_telling` order, and
+    the provider is not proven to keep key order (``order_kept``: :data:`KEY_ORDER_KEPT` learned)."""
+    orders = [keys for keys in _calls_key_orders(parsed) if len(keys) >= 2]
+    return bool(orders) and not order_kept and not any(_telling(keys) for keys in orders)
 
 
 #: What a leading-whitespace strip may have removed. Every one is a candidate, so a count that

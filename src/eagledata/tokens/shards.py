@@ -67,7 +67,7 @@ from eagledata.tokens.checks import (COUNT_CODES, REASONS, SampleStats, completi
 from eagledata.tokens.learning import (learn_prompt_variants, learn_reasoning_reliability, provider_sorts_tool_keys,
                                       reasoning_checked, reasoning_vote, sample_variant)
 from eagledata.tokens.policy import Policy, resolve_policy
-from eagledata.tokens.repairs import (ARGUMENTS_RESPACED, WHITESPACE_CONTENT, WHITESPACE_REASONING, RepairResult, applicable_transforms,
+from eagledata.tokens.repairs import (ARGUMENTS_RESPACED, KEY_ORDER_KEPT, key_order_in_question, shows_key_order_kept, WHITESPACE_CONTENT, WHITESPACE_REASONING, RepairResult, applicable_transforms,
                       parsed_from_segments, search_repairs)
 from eagledata.tokens.reconstruct import segments_json
 from eagledata.errors import InputError
@@ -451,7 +451,10 @@ def _judge(out: Path, shard_files: list[str], stats: list[SampleStats], conventi
     def rows() -> Iterator[tuple[int, tuple]]:
         return enumerate(_shard_rows(out, shard_files, ["segments", "finish_reason"]))
 
-    learned = proven_repairs(judge.repair_behaviours(stats, judged, rows()))
+    evidence = judge.repair_behaviours(stats, judged, rows())
+    for provider, counts in judge.key_order_evidence(stats, rows()).items():
+        evidence.setdefault(provider, {}).update(counts)
+    learned = proven_repairs(evidence)
     judge.apply_repairs(stats, judged, rows(), learned)
     judge.ambiguity_check(stats, judged, rows(), learned)
     return judged
@@ -510,16 +513,30 @@ class Judge:
                     counts[t] = counts.get(t, 0) + 1
         return learned
 
+    def key_order_evidence(self, stats: Sequence[SampleStats],
+                           rows: Iterable[tuple[int, tuple]]) -> dict[str, dict[str, int]]:
+        """Per provider, the samples whose returned tool-call arguments prove it kept the model's
+        key order (:func:`~eagledata.tokens.repairs.shows_key_order_kept`), as
+        ``{provider: {KEY_ORDER_KEPT: n}}``: summed over shards and proven like a transformation."""
+        out: dict[str, dict[str, int]] = {}
+        for i, (segs, finish) in rows:
+            if '"tool_arguments"' in segs and shows_key_order_kept(_row_parsed(segs, finish)):
+                counts = out.setdefault(stats[i].provider, {})
+                counts[KEY_ORDER_KEPT] = counts.get(KEY_ORDER_KEPT, 0) + 1
+        return out
+
     def apply_repairs(self, stats: Sequence[SampleStats], judged: Sequence[Judgement],
                       rows: Iterable[tuple[int, tuple]], learned: Mapping[str, Iterable[str]]) -> None:
         """Round 2: each sample needing a repair gets the combinations of its provider's known
-        transformations (``learned``: the union of :meth:`repair_behaviours` over the dataset)."""
+        transformations (``learned``: the union of :meth:`repair_behaviours` over the dataset, and
+        :data:`~eagledata.tokens.repairs.KEY_ORDER_KEPT` where :meth:`key_order_evidence` proves it)."""
         for i, (segs, finish) in rows:
             st, j = stats[i], judged[i]
             if repairable(j.reasons):
-                known = tuple(sorted(learned.get(st.provider, ())))
+                proven = set(learned.get(st.provider, ()))
+                known = tuple(sorted(proven - {KEY_ORDER_KEPT}))
                 if known:
-                    self._repair(st, j, _row_parsed(segs, finish), _thinking_of(segs), known)
+                    self._repair(st, j, _row_parsed(segs, finish), _thinking_of(segs), known, KEY_ORDER_KEPT in proven)
 
     def ambiguity_check(self, stats: Sequence[SampleStats], judged: Sequence[Judgement],
                         rows: Iterable[tuple[int, tuple]], learned: Mapping[str, Iterable[str]]) -> None:
@@ -531,8 +548,10 @@ class Judge:
         ``false`` or a ``null`` may cost no token, and one compacting provider bills the spaced text
         while another bills what it returns). Its ids stay the text the provider returned (the
         candidate is evidence, never stored). Samples a repair search already chose for (round 2,
-        whose candidates include the restored spaces) are not searched again. The completion's verdict
-        decides, whatever the prompt's (the default policy admits a completion with a differing prompt)."""
+        whose candidates include the restored spaces) are not searched again. Compact arguments whose key
+        order a sorting re-serializer could have written are ``tool_arguments_order_unproven`` unless the
+        provider is proven to keep key order. The completion's verdict decides, whatever the prompt's
+        (the default policy admits a completion with a differing prompt)."""
         strippers = {p for p, ts in learned.items() if set(ts) & {WHITESPACE_REASONING, WHITESPACE_CONTENT}}
         for i, (segs, finish) in rows:
             st, j = stats[i], judged[i]
@@ -550,8 +569,24 @@ class Judge:
                     j.verdict = verdict_of(j.reasons)
                     j.repair = dataclasses.replace(res, chosen=None)
                     break
+            else:
+                if self._order_unproven(st, _row_parsed(segs, finish), learned):
+                    j.reasons.append("tool_arguments_order_unproven")
+                    j.verdict = verdict_of(j.reasons)
 
-    def _repair(self, st: SampleStats, j: Judgement, parsed, thinking: bool, known: tuple[str, ...]) -> None:
+    @staticmethod
+    def _order_unproven(st: SampleStats, parsed, learned: Mapping[str, Iterable[str]]) -> bool:
+        """Compact arguments (a re-serializer's, or the model's) whose key order a sorting re-serializer
+        could have written, from a provider not proven to keep key order: the counts cannot prove it."""
+        return "tool_arguments_compact" in st.codes and \
+            key_order_in_question(parsed, KEY_ORDER_KEPT in set(learned.get(st.provider, ())))
+
+    def _repair(self, st: SampleStats, j: Judgement, parsed, thinking: bool, known: tuple[str, ...],
+                order_kept: bool = False) -> None:
+        """Search ``known`` repairs. A unique candidate that respaces tool arguments (the provider
+        re-serialized them), or keeps compact ones, is not chosen where their key order is in question
+        (``order_kept``: the provider is proven to keep it): it stays evidence, the sample a mismatch
+        (``tool_arguments_order_unproven``)."""
         res = search_repairs(parsed, self.tokenizer, self.family, st.billed_completion, self._billed_reasoning(st),
                              self._conv(st), thinking, only=known)
         if res.status == "unique" and "tool_arguments_compact" in st.codes and ARGUMENTS_RESPACED not in known:
@@ -560,7 +595,12 @@ class Judge:
                                    self._conv(st), thinking, only=known + (ARGUMENTS_RESPACED,))
             res = wider if wider.status == "ambiguous" else res
         j.repair = res
-        if res.status == "unique":
+        if res.status == "unique" and (ARGUMENTS_RESPACED in res.transforms or "tool_arguments_compact" in st.codes) \
+                and key_order_in_question(parsed, order_kept):
+            j.repair = dataclasses.replace(res, chosen=None)
+            j.reasons.append("tool_arguments_order_unproven")
+            j.verdict = verdict_of(j.reasons)
+        elif res.status == "unique":
             kept = [c for c in j.reasons if c not in COUNT_CODES]
             j.reasons = kept + [c for c in res.reason_codes if c not in kept]
             j.verdict = verdict_of(j.reasons)
