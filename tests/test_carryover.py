@@ -253,3 +253,28 @@ def test_a_filesystem_without_record_locks_turns_claims_off_with_a_warning(tmp_p
     claims.release(K1)
     claims.close()
     assert len(warned) == 1 and "No locks available" in warned[0] and "may pay an identical request twice" in warned[0]
+
+
+def test_a_lock_file_the_job_may_not_open_turns_claims_off_instead_of_waiting_forever(tmp_path, monkeypatch):
+    """``requests.lock`` created by another user in a shared ``cache_dir`` (mode 0644): opening it for
+    writing fails with EACCES, the errno lockf gives for a claim held by another process. That is no
+    claim: read as one, every request of the job waited forever."""
+    import errno
+    import os
+
+    from eagledata.generate.carryover import CLAIMS_NAME, RequestClaims
+
+    real_open = os.open
+
+    def not_permitted(path, *args, **kwargs):
+        if str(path).endswith(CLAIMS_NAME):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", not_permitted)
+    warned = []
+    claims = RequestClaims(tmp_path, "b", warned.append)
+    assert claims.try_claim(K1) and claims.try_claim(K2)
+    claims.release(K1)
+    claims.close()
+    assert claims.disabled and len(warned) == 1 and "Permission denied" in warned[0]

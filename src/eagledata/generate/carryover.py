@@ -163,15 +163,22 @@ class RequestClaims:
             if self._fd is None:
                 self.cache_dir.mkdir(parents=True, exist_ok=True)
                 self._fd = os.open(self.cache_dir / CLAIMS_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:  # EACCES here is a permission (another user's lock file), never a held claim
+            return self._off(exc)
+        try:
             fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, _offset(key))
         except OSError as exc:
             if exc.errno in (errno.EACCES, errno.EAGAIN):  # held by another process
                 return False
-            self.disabled = True
-            if self.warn is not None:
-                self.warn(f"warning: {self.cache_dir / CLAIMS_NAME}: requests are not claimed across datasets "
-                          f"({exc.strerror or exc}): datasets generated at once may pay an identical request twice")
-            return True
+            return self._off(exc)
+        return True
+
+    def _off(self, exc: OSError) -> bool:
+        """Claims off for the job (said once); ``True``: the claim asked for counts as taken."""
+        self.disabled = True
+        if self.warn is not None:
+            self.warn(f"warning: {self.cache_dir / CLAIMS_NAME}: requests are not claimed across datasets "
+                      f"({exc.strerror or exc}): datasets generated at once may pay an identical request twice")
         return True
 
     def release(self, key: str) -> None:
