@@ -278,3 +278,27 @@ def test_a_lock_file_the_job_may_not_open_turns_claims_off_instead_of_waiting_fo
     claims.release(K1)
     claims.close()
     assert claims.disabled and len(warned) == 1 and "Permission denied" in warned[0]
+
+
+def test_answers_written_over_a_torn_tail_that_another_job_cut_off_are_carried(tmp_path):
+    """A job killed -9 while writing leaves its cache a torn last line; its rerun cuts the line off and
+    appends from there. Another dataset's job that started watching in between must read the tail from
+    the end of the last complete line: from the file's size, every answer written over the cut bytes
+    was passed over, and its request paid again."""
+    from eagledata.generate.cache import ResponseCache
+    from eagledata.generate.carryover import RequestClaims
+
+    other = tmp_path / "a" / "responses.jsonl"
+    other.parent.mkdir()
+    old = (json.dumps({"cache_key": K3, "status": 200, "response_raw": "old"}) + "\n").encode()
+    other.write_bytes(old + b'{"cache_key": "' + K2.encode() + b'", "status": 200, "response_raw": "cut sho')
+    claims = RequestClaims(tmp_path, "b")
+    claims.watch()
+    claims.want([K1, K2], scanned=True)
+    rerun = ResponseCache(other)  # the killed job's rerun: the torn line cut off, answers appended
+    rerun.open()
+    rerun.append({"cache_key": K1, "status": 200, "response_raw": "paid once " * 20})
+    rerun.append({"cache_key": K2, "status": 200, "response_raw": "paid once too"})
+    rerun.close()
+    assert claims.answer(K1)[1]["response_raw"] == "paid once " * 20
+    assert claims.answer(K2)[1]["response_raw"] == "paid once too"

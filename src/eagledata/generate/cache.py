@@ -133,15 +133,7 @@ class ResponseCache:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
         size = os.lseek(fd, 0, os.SEEK_END)
-        keep = size
-        while keep > 0:  # scan back to the last newline
-            start = max(0, keep - 65536)
-            block = os.pread(fd, keep - start, start)
-            nl = block.rfind(b"\n")
-            if nl >= 0:
-                keep = start + nl + 1
-                break
-            keep = start
+        keep = complete_lines_end(fd, size)
         if keep != size:
             os.ftruncate(fd, keep)
             os.fsync(fd)
@@ -363,6 +355,20 @@ class ResponseCache:
             self._sync_thread = None
         if self.rescue is not None:
             self.rescue.close()
+
+
+def complete_lines_end(fd: int, size: int) -> int:
+    """The end of the last complete line of the file open as ``fd`` whose first ``size`` bytes are
+    looked at (0 without one): a torn last line (a writer killed mid-write) starts there."""
+    keep = size
+    while keep > 0:  # scan back to the last newline
+        start = max(0, keep - 65536)
+        block = os.pread(fd, keep - start, start)
+        nl = block.rfind(b"\n")
+        if nl >= 0:
+            return start + nl + 1
+        keep = start
+    return 0
 
 
 def write_jsonl_atomic(path: str | Path, records: Iterable[Mapping[str, Any]]) -> int:

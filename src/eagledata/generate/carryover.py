@@ -44,7 +44,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from eagledata.generate.cache import ResponseCache
+from eagledata.generate.cache import ResponseCache, complete_lines_end
 from eagledata.io import open_lines
 
 _KEY = re.compile(rb'"cache_key": ?"([0-9a-f]{64})"')
@@ -141,8 +141,11 @@ class RequestClaims:
         self.disabled = False  # the lock file cannot be used (see try_claim)
 
     def watch(self) -> None:
+        """Note where each sibling cache's tail starts: the end of its last complete line (a torn
+        line is read once complete; cut off by its job's rerun, the answers written over it are in
+        the tail)."""
         for _, path in sibling_caches(self.cache_dir, self.dataset):
-            self.offsets[path] = _size(path)
+            self.offsets[path] = _complete_end(path)
 
     def want(self, keys: Iterable[str], scanned: bool = False) -> None:
         new = set(keys) - self.wanted
@@ -248,6 +251,19 @@ def _size(path: Path) -> int:
         return path.stat().st_size
     except OSError:
         return 0
+
+
+def _complete_end(path: Path) -> int:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return 0
+    try:
+        return complete_lines_end(fd, os.fstat(fd).st_size)
+    except OSError:
+        return 0
+    finally:
+        os.close(fd)
 
 
 def _offset(key: str) -> int:
