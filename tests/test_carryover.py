@@ -302,3 +302,33 @@ def test_answers_written_over_a_torn_tail_that_another_job_cut_off_are_carried(t
     rerun.close()
     assert claims.answer(K1)[1]["response_raw"] == "paid once " * 20
     assert claims.answer(K2)[1]["response_raw"] == "paid once too"
+
+
+def test_claims_taken_before_claims_turned_off_are_still_given_up(tmp_path, monkeypatch):
+    """Record locks failing midway (ENOLCK: a lock table full on a network filesystem) turn claims off;
+    the claims the job took before are still released after their request, not held until the job
+    ends with other datasets' jobs waiting on them."""
+    import errno
+    import fcntl
+    import subprocess
+    import sys
+
+    from eagledata.generate.carryover import RequestClaims
+
+    real_lockf = fcntl.lockf
+
+    def no_more_locks(fd, cmd, *args):
+        if cmd & fcntl.LOCK_EX:
+            raise OSError(errno.ENOLCK, "No locks available")
+        return real_lockf(fd, cmd, *args)
+
+    claims = RequestClaims(tmp_path, "b", lambda m: None)
+    assert claims.try_claim(K1)
+    monkeypatch.setattr(fcntl, "lockf", no_more_locks)
+    assert claims.try_claim(K2) and claims.disabled
+    claims.release(K1)
+    other = subprocess.run([sys.executable, "-c", (
+        "from eagledata.generate.carryover import RequestClaims\n"
+        f"print(RequestClaims({str(tmp_path)!r}, 'a').try_claim({K1!r}))\n")], capture_output=True, text=True, timeout=60)
+    claims.close()
+    assert other.stdout.strip() == "True", other.stderr

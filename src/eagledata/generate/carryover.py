@@ -187,8 +187,11 @@ class RequestClaims:
     def release(self, key: str) -> None:
         """Give the claim up (after the answer is in the cache, or the request given up)."""
         self.wanted.discard(key)
-        if self._fd is not None and not self.disabled:
-            fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, _offset(key))
+        if self._fd is not None:  # claims turned off since: those taken before are still given up
+            try:
+                fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, _offset(key))
+            except OSError:
+                pass  # a lock that cannot be dropped goes with the descriptor (close)
 
     def answer(self, key: str) -> tuple[str, dict[str, Any]] | None:
         """(dataset, record) of a status-200 answer to ``key`` that another dataset's cache holds,
