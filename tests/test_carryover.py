@@ -332,3 +332,21 @@ def test_claims_taken_before_claims_turned_off_are_still_given_up(tmp_path, monk
         f"print(RequestClaims({str(tmp_path)!r}, 'a').try_claim({K1!r}))\n")], capture_output=True, text=True, timeout=60)
     claims.close()
     assert other.stdout.strip() == "True", other.stderr
+
+
+def test_a_cache_replaced_under_the_tail_being_watched_is_read_again_from_its_start(tmp_path):
+    """Another dataset's cache cut back (a failed fsync) or deleted and written anew while a job
+    watches it: where the job stopped reading is no longer a line's start, and reading on from there
+    passed over every answer written before it (their requests paid again)."""
+    from eagledata.generate.carryover import RequestClaims
+
+    other = tmp_path / "a" / "responses.jsonl"
+    other.parent.mkdir()
+    other.write_bytes((json.dumps({"cache_key": K3, "status": 200, "response_raw": "x" * 300}) + "\n").encode())
+    claims = RequestClaims(tmp_path, "b")
+    claims.watch()
+    claims.want([K1, K2], scanned=True)
+    other.write_bytes((json.dumps({"cache_key": K1, "status": 200, "response_raw": "new"}) + "\n"
+                       + json.dumps({"cache_key": K2, "status": 200, "response_raw": "y" * 600}) + "\n").encode())
+    assert claims.answer(K1)[1]["response_raw"] == "new"
+    assert claims.answer(K2)[1]["response_raw"] == "y" * 600

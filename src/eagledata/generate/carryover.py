@@ -213,13 +213,18 @@ class RequestClaims:
 
     def _look(self, name: str, path: Path, start: int, end: int, wanted: set[str]) -> int:
         """Note where ``wanted`` keys are answered (status 200) in ``path``'s complete lines between
-        ``start`` and ``end``; returns the end of the last complete line."""
+        ``start`` and ``end`` (from the file's start when ``start`` is no longer a line's: the file
+        was cut back or replaced since); returns the end of the last complete line."""
         if end <= start or not wanted:
             return start
         offset = start
         try:
             with open(path, "rb") as fh:
-                fh.seek(start)
+                if start > 0:
+                    fh.seek(start - 1)
+                    if fh.read(1) != b"\n":  # not a line's start: the file changed under it (cut back, replaced)
+                        offset = 0
+                fh.seek(offset)
                 for line in fh:
                     if not line.endswith(b"\n") or offset + len(line) > end:
                         break  # a torn last line, or past what was asked
