@@ -182,3 +182,53 @@ def test_per_shard_stage_learns_and_judges_the_key_order_as_the_one_job_stage(k2
     b = read_shards(tmp_path / "ps" / "tokens").sort("id")
     assert a.equals(b) and "unproven" in set(b["prompt_verdict"])
     assert manifest["conventions"] == res.manifest["conventions"]
+
+
+def test_a_provider_rendering_the_request_order_with_an_offset_proves_no_prompt_by_coincidence(k2_thinking, tmp_path):
+    """A provider that declares the tools in the request's key order with a template one token
+    shorter (billed: the request's order minus one): where deep-sorting the keys saves that token, our
+    canonical count equals the billed one by coincidence. Those prompts were ``exact`` with ids the
+    model never saw (8 of 22 here), their votes 'proved' the provider sorts while it was learned to
+    render the request's order (``unsorted_tools+offset+1``). The learned rendering explains their
+    count too: they are ``unproven``, and the provider is not proven to sort."""
+    from dataclasses import replace
+
+    from eagledata.standin.profiles import PROFILES, template_variant_minus_one, unsorted_tool_declaration
+
+    tok, fam = k2_thinking
+    profile = replace(PROFILES["exact"], name="unsorted-minus-one",
+                      completion_hooks=(unsorted_tool_declaration, template_variant_minus_one))
+    rows, truths, res = _collect(tok, fam, profile, tmp_path, policy="exact")
+    learned = res.manifest["conventions"]["Simulator"]["prompt_rendering"]
+    assert learned["variant"] == "unsorted_tools+offset+1"
+    assert learned["tool_key_order"]["sorted"] > 0 and learned["tool_key_order"]["sorts_keys"] is False
+    coincident = {sid for sid, r in rows.items() if r["prompt_diff"] == 0}
+    assert len(coincident) >= MIN_VARIANT_SAMPLES
+    for sid, row in rows.items():
+        if row["prompt_verdict"] == "exact":
+            assert _prompt_is_truth(row, truths[sid]), sid
+    for sid in coincident:
+        r = rows[sid]
+        assert not _prompt_is_truth(r, truths[sid])
+        assert r["prompt_verdict"] == "unproven" and "prompt_order_unproven" in r["reasons"], (sid, r["reasons"])
+        assert r["verdict"] == "mismatch" and not r["train"]
+    from test_pershard_tokens import run_pershard  # the per-shard jobs judge it alike
+
+    run_pershard(tmp_path / "responses.jsonl", tmp_path / "ps" / "work", tok, fam, 3)  # default policy: no train
+    one, per_shard = (read_shards(tmp_path / d).sort("id").drop("train") for d in ("tokens", "ps/tokens"))
+    assert one.equals(per_shard)
+
+
+def test_an_offset_in_the_request_order_proves_no_sorting():
+    """Units: sorted votes of a provider learned to render the request's order with an offset are
+    coincidences (the summaries learn the same); its canonical matches are unproven."""
+    from eagledata.tokens.learning import request_order_explains
+
+    rows = [_stats(alt=1) for _ in range(MIN_VARIANT_SAMPLES)] + [_stats(prompt_diff=1, alt=1), _stats(prompt_diff=2, alt=1)]
+    variants = learn_prompt_variants(rows)
+    assert variants["P"]["variant"] == "unsorted_tools+offset+1"
+    assert variants["P"]["tool_key_order"]["sorted"] == MIN_VARIANT_SAMPLES and not provider_sorts_tool_keys(variants, "P")
+    assert summaries.learn(summaries.merge([summaries.summarize(rows[:2]), summaries.summarize(rows[2:])]))[2] == variants
+    assert request_order_explains(variants, rows[0]) and prompt_verdict(rows[0], False, True) == "unproven"
+    assert not request_order_explains(variants, _stats())  # the request's order renders our ids: nothing else
+    assert not request_order_explains(learn_prompt_variants([_stats(alt=3)] * 3), _stats(alt=3))  # canonical

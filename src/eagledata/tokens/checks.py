@@ -54,9 +54,10 @@ REASONS: dict[str, tuple[str, str]] = {
     "prompt_count_mismatch": ("block", "our rendered prompt's token count differs from usage.prompt_tokens"),
     "prompt_order_unproven": ("block", "the request's tools are not in the deep-sorted key order the model's own code "
                                        "declares them in, and declaring them in the request's order is another prompt "
-                                       "of the same token count: the billed count cannot tell which one the provider "
-                                       "rendered, and this provider is not proven to sort them (the prompt ids may not "
-                                       "be what the model saw)"),
+                                       "of the same token count (or, for a provider learned to render the request's "
+                                       "order with an offset, of the billed count under that offset): the billed count "
+                                       "cannot tell which one the provider rendered, and this provider is not proven "
+                                       "to sort them (the prompt ids may not be what the model saw)"),
     "unknown_count_convention": ("block", "the provider's other samples support neither known convention (end-of-turn counted or not): a sample's own count cannot choose it (a provider needs at least two samples ending in end of turn)"),
     "reasoning_missing": ("block", "thinking was requested but the response carries no reasoning"),
     "reasoning_unexpected": ("block", "reasoning text returned for a model or request without thinking"),
@@ -444,12 +445,14 @@ def completion_verdict(codes: list[str]) -> str:
     return verdict_of([c for c in codes if c not in PROMPT_CODES])
 
 
-def prompt_verdict(stats: SampleStats, sorts_tool_keys: bool = False) -> str:
+def prompt_verdict(stats: SampleStats, sorts_tool_keys: bool = False, request_order_explains: bool = False) -> str:
     """The prompt's verdict: ``exact`` (our canonical rendering has the billed count, and no other
     rendering a provider is known to use has it too), ``unproven`` (it has the billed count, but so
     has the tools' declaration in the request's own key order, which is other ids, and the provider
     is not proven to sort the keys: ``sorts_tool_keys``, learned from its other samples, see
-    :func:`eagledata.tokens.learning.provider_sorts_tool_keys`), ``differs``, ``unbilled`` (no prompt
+    :func:`eagledata.tokens.learning.provider_sorts_tool_keys`; or the provider is learned to render
+    the request's key order with an offset that explains this count too: ``request_order_explains``,
+    :func:`eagledata.tokens.learning.request_order_explains`), ``differs``, ``unbilled`` (no prompt
     count to check against) or ``error`` (the prompt could not be rendered)."""
     if "prompt_unrenderable" in stats.codes:
         return "error"
@@ -458,6 +461,8 @@ def prompt_verdict(stats: SampleStats, sorts_tool_keys: bool = False) -> str:
         return "unbilled"
     if diff != 0:
         return "differs"
+    if request_order_explains:  # the provider's learned rendering (request's key order + offset) has it too
+        return "unproven"
     return "unproven" if stats.key_order_vote() == "tied" and not sorts_tool_keys else "exact"
 
 

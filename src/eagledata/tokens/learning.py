@@ -95,16 +95,37 @@ def learn_prompt_variants(stats: Iterable[SampleStats]) -> dict[str, dict[str, A
     for provider, rows in groups.items():
         votes = Counter(v for v in (s.key_order_vote() for s in rows) if v is not None)
         if votes:
-            out[provider]["tool_key_order"] = key_order_learned(votes)
+            out[provider]["tool_key_order"] = key_order_learned(votes, out[provider])
     return out
 
 
-def key_order_learned(votes: Mapping[str, int]) -> dict[str, Any]:
+def key_order_learned(votes: Mapping[str, int], variant: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """A provider's ``tool_key_order`` from its samples' key-order votes: the counts, and
     ``sorts_keys`` (at least :data:`MIN_VARIANT_SAMPLES` samples billed as the sorted rendering and
-    none as the request's own order)."""
+    none as the request's own order, and the provider's learned prompt ``variant`` is not the
+    request's order with an offset: then its 'sorted' votes are coincidences of that offset)."""
     counts = {k: int(votes.get(k, 0)) for k in KEY_ORDER_VOTES}
-    return {**counts, "sorts_keys": counts["sorted"] >= MIN_VARIANT_SAMPLES and counts["request_order"] == 0}
+    sorts = counts["sorted"] >= MIN_VARIANT_SAMPLES and counts["request_order"] == 0
+    return {**counts, "sorts_keys": sorts and _tools_variant(variant or {}).get("rendering") != UNSORTED_TOOLS}
+
+
+def _tools_variant(learned: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The learned variant that explains a provider's prompts with tools: its own, else its
+    ``with_tools`` group's (``{}``: none)."""
+    if learned.get("variant"):
+        return learned
+    v = (learned.get("groups") or {}).get("with_tools") or {}
+    return v if v.get("variant") else {}
+
+
+def request_order_explains(variants: Mapping[str, Mapping[str, Any]], s: SampleStats) -> bool:
+    """Whether ``s``'s provider is learned to declare the tools in the request's key order (variant
+    ``unsorted_tools`` with an offset) and that rendering, measured on ``s`` (its ids differ from
+    ours), explains ``s``'s billed count too: then our canonical rendering having the count is a
+    coincidence of the offset, not a proof (a token saved by sorting the keys, one by the template)."""
+    v = _tools_variant(variants.get(s.provider) or {})
+    return (v.get("rendering") == UNSORTED_TOOLS and s.has_tools and UNSORTED_TOOLS in (s.prompt_alt or {})
+            and diff_under(s, UNSORTED_TOOLS) == v["offset"])
 
 
 def provider_sorts_tool_keys(variants: Mapping[str, Mapping[str, Any]], provider: str) -> bool:

@@ -65,7 +65,7 @@ import polars as pl
 from eagledata.tokens.checks import (COUNT_CODES, REASONS, SampleStats, completion_verdict, convention_for, count_vote,
                      learn_conventions, prompt_verdict, repairable, sample_stats, verdict, verdict_of)
 from eagledata.tokens.learning import (learn_prompt_variants, learn_reasoning_reliability, provider_sorts_tool_keys,
-                                      reasoning_checked, reasoning_vote, sample_variant)
+                                      reasoning_checked, reasoning_vote, request_order_explains, sample_variant)
 from eagledata.tokens.policy import Policy, resolve_policy
 from eagledata.tokens.repairs import (ARGUMENTS_RESPACED, KEY_ORDER_KEPT, key_order_in_question, shows_key_order_kept, WHITESPACE_CONTENT, WHITESPACE_REASONING, RepairResult, applicable_transforms,
                       parsed_from_segments, search_repairs)
@@ -330,7 +330,8 @@ def with_verdicts(df: pl.DataFrame, stats: Sequence[SampleStats], judged: Sequen
             repaired[row] = (st, j.repair.chosen)
         cols["completion_diff"].append(j.completion_diff)
         cols["prompt_diff"].append(st.prompt_diff)
-        c_verdict, p_verdict = completion_verdict(j.reasons), prompt_verdict(st, provider_sorts_tool_keys(variants, st.provider))
+        c_verdict = completion_verdict(j.reasons)
+        p_verdict = prompt_verdict(st, provider_sorts_tool_keys(variants, st.provider), request_order_explains(variants, st))
         if p_verdict == "unproven" and "prompt_order_unproven" not in j.reasons:  # the joint verdict: not proven
             j.reasons.append("prompt_order_unproven")
             j.verdict = verdict_of(j.reasons)

@@ -132,7 +132,7 @@ def learn(summary: Mapping[str, Any]) -> tuple[dict[str, dict], dict[str, dict],
     variants = _variants(summary["prompts"])
     for provider, votes in summary["key_order"].items():
         if any(votes.values()):
-            variants[provider]["tool_key_order"] = key_order_learned(votes)
+            variants[provider]["tool_key_order"] = key_order_learned(votes, variants.get(provider))
     return conventions, _reliability(summary["reasoning"], conventions), variants
 
 
