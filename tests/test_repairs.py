@@ -350,9 +350,16 @@ def test_compact_arguments_cast_no_count_convention_vote():
     assert "tool_calls" not in only_compact["Q"]["by_finish"]
     assert convention_for(only_compact, "Q", "tool_calls") == "excludes_eot"
     assert learn_conventions(_stats(4, "R", "tool_calls", 30, 30, ["tool_arguments_compact"]))["R"]["convention"] == "unknown"
-    # spaced tool calls that count <|im_end|> after a call, unlike the provider's plain answers, still teach it
+    # a group never counts <|im_end|> where its provider does not (group_convention): samples one token
+    # short (a shared loss) would agree so; a real stack counting it only after calls is judged one token long
     flipped = learn_conventions(stats + _stats(3, "P", "tool_calls", 31, 31))
-    assert flipped["P"]["by_finish"]["tool_calls"]["convention"] == "counts_eot"
+    assert flipped["P"]["by_finish"]["tool_calls"] == {"convention": "excludes_eot",
+                                                       "support": {"counts_eot": 3, "excludes_eot": 2}}
+    assert convention_for(flipped, "P", "tool_calls", "counts_eot") == "excludes_eot"
+    # the other way round stands: a provider counting <|im_end|> whose tool calls do not
+    other = learn_conventions(_stats(10, "M", "stop", 20, 20) + _stats(4, "M", "tool_calls", 30, 29))
+    assert other["M"]["by_finish"]["tool_calls"]["convention"] == "excludes_eot"
+    assert convention_for(other, "M", "tool_calls", "excludes_eot") == "excludes_eot"
     # the per-shard summaries learn the same
     learned, _, _ = summaries.learn(summaries.merge([summaries.summarize(stats[:12]), summaries.summarize(stats[12:])]))
     assert learned["P"]["support"] == conv["P"]["support"]

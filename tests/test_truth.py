@@ -149,3 +149,28 @@ def test_re_serialized_arguments_never_admit_a_reordering(profile, k25, tmp_path
     else:
         assert all(r["completion_verdict"] == "mismatch" and "tool_arguments_order_unproven" in r["reasons"]
                    for r in with_calls)
+
+
+def test_a_loss_shared_by_one_finish_reason_never_teaches_it_to_count_end_of_turn(k25, tmp_path):
+    """A provider that strips leading whitespace and bills without <|im_end|>: tool-call answers whose
+    stripped ``\\n\\n`` after </think> was one token agree under counts_eot, and in this dataset they
+    outvote their tool_calls group (7 to 2). The group may not count <|im_end|> where its provider does
+    not (group_convention), so none of them is admitted with the token missing (7 were)."""
+    from eagledata.generate.conversation import sharegpt_messages
+
+    tok, fam = k25
+    prompts = demo_prompts(("chat", "tools", "multiturn"))
+    for p in prompts:
+        if "conversations" in p:
+            p["messages"] = sharegpt_messages(p.pop("conversations"), "x")
+    records, truths = ask_stand_in(tok, fam, "no-eot-strip-whitespace", 2, prompts)
+    path = tmp_path / "responses.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    manifest = build_token_shards(path, tmp_path / "tokens", tok, fam, "strip").manifest
+    support = manifest["conventions"]["Simulator"]["by_finish"]["tool_calls"]["support"]
+    assert support["counts_eot"] > support.get("excludes_eot", 0)  # the shared loss outvotes the group
+    rows = read_shards(tmp_path / "tokens").to_dicts()
+    wrong = [r["id"] for r in rows if r["completion_verdict"] in ("exact", "repaired")
+             and r["input_ids"][r["prompt_len"]:] != truths[r["id"]].ids]
+    assert wrong == []
+    assert sum(r["completion_verdict"] in ("exact", "repaired") for r in rows) >= len(rows) // 2

@@ -288,6 +288,7 @@ PROFILES: dict[str, ProviderProfile] = {
         replace(_EXACT, name="truncating", completion_hooks=(provider_length_cap,)),
         replace(_EXACT, name="noncanonical", completion_hooks=(noncanonical_split,)),
         _EXACT.with_hooks("no-eot-call-ids", rewrite_tool_ids, counts_end_of_turn=False),
+        _EXACT.with_hooks("no-eot-strip-whitespace", strip_leading_whitespace, counts_end_of_turn=False),
         _EXACT.with_hooks("compact-args", compact_tool_arguments),
         _EXACT.with_hooks("no-eot-compact-args", compact_tool_arguments, counts_end_of_turn=False),
         _EXACT.with_hooks("sorted-compact-args", sorted_compact_tool_arguments),

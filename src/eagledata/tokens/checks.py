@@ -312,7 +312,8 @@ def learn_conventions(stats: Iterable[SampleStats]) -> dict[str, dict]:
     agreements wins (``counts_eot`` on a tie); a group none of whose samples agree under either is
     ``unknown``. Serving stacks may count differently after a tool-call section than after plain
     text, so each finish reason gets its own convention when its samples support one; it falls
-    back to the provider's overall convention otherwise. Only the two known conventions are ever
+    back to the provider's overall convention otherwise, and always where its own would count one token
+    more than the provider's (:func:`group_convention`). Only the two known conventions are ever
     accepted, never an offset."""
     support: dict[str, Counter] = {}
     by_finish: dict[tuple[str, str], Counter] = {}
@@ -328,8 +329,21 @@ def learn_conventions(stats: Iterable[SampleStats]) -> dict[str, dict]:
         out[provider] = {"convention": pick_convention(c), "support": dict(c), "by_finish": {}}
     for (provider, finish), c in by_finish.items():
         if c:
-            out[provider]["by_finish"][finish] = {"convention": pick_convention(c), "support": dict(c)}
+            out[provider]["by_finish"][finish] = {
+                "convention": group_convention(pick_convention(c), out[provider]["convention"]), "support": dict(c)}
     return out
+
+
+def group_convention(group: str, provider: str) -> str:
+    """A finish reason's convention given its samples' pick (``group``) and the provider's: the
+    group's, except that a group never counts ``<|im_end|>`` where its provider does not. Provider
+    transformations lose tokens (a stripped space, compacted arguments), and a sample one token short
+    agrees under ``counts_eot`` with a provider that excludes it: samples of one finish reason that
+    share such a loss (tool calls after a stripped ``\n\n``) outvoted their group and were admitted
+    with the token missing. Real stacks that count differently after a tool-call section exclude it
+    there (recorded: Moonshot AI, Novita); a group that really counted it would be judged one token
+    long, a mismatch, never a wrong id admitted."""
+    return provider if group == COUNTS_EOT and provider == EXCLUDES_EOT else group
 
 
 def count_vote(s: SampleStats) -> str | None:
@@ -369,11 +383,12 @@ def convention_for(conventions: Mapping[str, Mapping], provider: str, finish_rea
     group = (p.get("by_finish") or {}).get(finish_reason or "")
     if own_vote is None:
         return group["convention"] if group else p.get("convention", "unknown")
+    overall = _pick_without(p.get("support") or {}, own_vote)
     if group:
         conv = _pick_without(group.get("support") or {}, own_vote)
         if conv != "unknown":
-            return conv
-    return _pick_without(p.get("support") or {}, own_vote)
+            return group_convention(conv, overall)
+    return overall
 
 
 def _pick_without(support: Mapping[str, int], vote: str) -> str:

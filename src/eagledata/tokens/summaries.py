@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-from eagledata.tokens.checks import (EXCLUDES_EOT, COUNTS_EOT, REASONS, SampleStats, count_vote, pick_convention,
-                                     convention_for)
+from eagledata.tokens.checks import (EXCLUDES_EOT, COUNTS_EOT, REASONS, SampleStats, count_vote, group_convention,
+                                     pick_convention, convention_for)
 from eagledata.tokens.learning import MIN_VARIANT_SAMPLES, RENDERINGS, diff_under, key_order_learned, variant_name
 
 # 2: a sample whose end may be a trimmed stop string casts no count-convention vote; 3: the tools in the
@@ -128,7 +128,8 @@ def learn(summary: Mapping[str, Any]) -> tuple[dict[str, dict], dict[str, dict],
     for key, c in summary["by_finish"].items():
         provider, finish = _unsep(key)
         if any(c.values()):
-            conventions[provider]["by_finish"][finish] = {"convention": _pick_counts(c), "support": dict(c)}
+            conventions[provider]["by_finish"][finish] = {
+                "convention": group_convention(_pick_counts(c), conventions[provider]["convention"]), "support": dict(c)}
     variants = _variants(summary["prompts"])
     for provider, votes in summary["key_order"].items():
         if any(votes.values()):
