@@ -30,11 +30,21 @@ from eagledata.io import link_file
 log = logging.getLogger("eagledata.extract.gather")
 
 
-def _checked_entry(record: dict[str, Any], key: str, store: Path) -> dict[str, Any]:
-    """A record as a manifest shard entry, checked against the stored file (re-hashed when its size or
-    mtime changed since the record was written)."""
+def _checked_entry(record: dict[str, Any], entry: dict[str, Any], store: Path) -> dict[str, Any]:
+    """A record as a manifest shard entry, checked against the plan's ``entry`` (the token shard it was
+    extracted from must be the plan's: a record of older tokens is stale) and against the stored file
+    (re-hashed when its size or mtime changed since the record was written)."""
+    key = entry["key"]
     if record.get("key") != key:
         raise ExtractionError(f"the record of shard {key} names key {record.get('key')}")
+    if record.get("source_sha256") != entry["sha256"]:
+        # Snakemake can leave a shard job that the plan's rewrite made out of date unrun in the run that
+        # rewrote it (a tokens rerun that changed which rows train, e.g. validation.policy); gathering its
+        # record would publish hidden states of rows the tokens stage no longer admits
+        raise ExtractionError(
+            f"the record of shard {key} is of token shard {record.get('source')} (sha256 "
+            f"{str(record.get('source_sha256'))[:16]}), the plan's is {entry['file']} ({entry['sha256'][:16]}): its "
+            "extract_shard job has not run since the tokens changed; run snakemake again (it reruns that job)")
     path = store / record["file"]
     if not path.is_file():
         raise ExtractionError(f"hidden shard {path} of key {key} is missing from the store")
@@ -116,7 +126,7 @@ def gather_hidden(plan_path: str | Path, record_paths: Sequence[str | Path], out
     if len(records) != len(keys):
         raise ExtractionError(f"{len(records)} shard records for the {len(keys)} shards of {plan_path}")
     store, out = Path(store_dir), Path(out_dir)
-    shards_out = [_checked_entry(r, k, store) for r, k in zip(records, keys)]
+    shards_out = [_checked_entry(r, e, store) for r, e in zip(records, plan["shards"])]
     out.mkdir(parents=True, exist_ok=True)
     run = replace(settings.run({"dataset": plan.get("dataset"), "tokenizer_fingerprint": plan.get("tokenizer_fingerprint")},
                                out), tokens_dir=Path(plan["token_store"]))
