@@ -963,40 +963,6 @@ def test_per_shard_jobs_give_the_one_process_extraction_and_resume_on_code_ident
     assert quantized.backend_args() == '{"quantization":"fp8"}' and code2.backend_args() == ""
 
 
-def test_the_gather_refuses_a_shard_record_of_older_tokens(tmp_path, token_rows, weights, model):
-    """A shard job's record is gathered only when it was extracted from the plan's token shard: after a
-    tokens rerun that changed which rows train (validation.policy default -> strict), Snakemake left the
-    shard job unrun in that run (same key, record present) and the gather published the old hidden
-    shard, so both exports held the samples the policy now excluded (demo: 24 of 24 chat samples
-    exported, 0 admitted). Now the gather fails and says to run again; the rerun job gathers."""
-    from eagledata.extract.gather import gather_hidden
-    from eagledata.extract.pershard import ExtractionSettings, extract_keyed_shard
-    from eagledata.extract.storage import read_index
-
-    tokens = write_tokens(tmp_path / "tokens", token_rows)
-    plan = tmp_path / "plan.json"
-    shards = _per_shard_plan(tokens, plan)
-    store, work = tmp_path / "hidden.store", tmp_path / "hidden.work"
-    settings = ExtractionSettings(weights=str(weights), dtype="float32", device="cpu", batch_tokens=200)
-    records = [work / f"{e['key']}.json" for e in shards]
-    for e, rec in zip(shards, records):
-        extract_keyed_shard(plan, e["key"], tokens / e["file"], store, rec, settings, model=model)
-    # the tokens stage re-judged shard 0 under another policy: fewer train rows, a new content-named
-    # file, the same stable key; the plan is rewritten, the shard's job has not run again
-    rows = [{**r, "train": False} if n < 3 else r for n, r in enumerate(token_rows[0])]
-    new = tmp_path / "tokens" / "shard-00000-strict.parquet"
-    pl.DataFrame(rows, schema=SCHEMA).write_parquet(new)
-    p = json.loads(plan.read_text())
-    p["shards"][0].update(file=new.name, sha256=hashlib.sha256(new.read_bytes()).hexdigest())
-    plan.write_text(json.dumps(p))
-    with pytest.raises(ExtractionError, match="run snakemake again"):
-        gather_hidden(plan, records, tmp_path / "hidden", store, settings)
-    extract_keyed_shard(plan, shards[0]["key"], new, store, records[0], settings, model=model)
-    gather_hidden(plan, records, tmp_path / "hidden", store, settings)
-    admitted = [r["id"] for rows in ([r for r in rows], token_rows[1]) for r in rows if r["train"]]
-    assert read_index(tmp_path / "hidden").sort("sample")["id"].to_list() == admitted
-
-
 def test_a_renamed_dataset_takes_its_shards_from_the_old_store(tmp_path, token_rows, weights, model):
     """Shard names are content names: a dataset's shard job finds a shard another dataset's store holds
     for exactly its source, settings, model and code (a renamed or copied dataset) and hard-links it
@@ -1290,3 +1256,37 @@ def test_replaced_shards_are_kept_most_recent_first_and_taken_back_also_from_hal
     assert again["resumed"] and ((store / files[1]).stat().st_mtime_ns, (store / files[1]).read_bytes()) == facts[files[1]]
     prune_store(store, [files[1]], keep_replaced_bytes=0)  # a cap of 0: replaced/ emptied
     assert not any(replaced.iterdir())
+
+
+def test_the_gather_refuses_a_shard_record_of_older_tokens(tmp_path, token_rows, weights, model):
+    """A shard job's record is gathered only when it was extracted from the plan's token shard: after a
+    tokens rerun that changed which rows train (validation.policy default -> strict), Snakemake left the
+    shard job unrun in that run (same key, record present) and the gather published the old hidden
+    shard, so both exports held the samples the policy now excluded (demo: 24 of 24 chat samples
+    exported, 0 admitted). Now the gather fails and says to run again; the rerun job gathers."""
+    from eagledata.extract.gather import gather_hidden
+    from eagledata.extract.pershard import ExtractionSettings, extract_keyed_shard
+    from eagledata.extract.storage import read_index
+
+    tokens = write_tokens(tmp_path / "tokens", token_rows)
+    plan = tmp_path / "plan.json"
+    shards = _per_shard_plan(tokens, plan)
+    store, work = tmp_path / "hidden.store", tmp_path / "hidden.work"
+    settings = ExtractionSettings(weights=str(weights), dtype="float32", device="cpu", batch_tokens=200)
+    records = [work / f"{e['key']}.json" for e in shards]
+    for e, rec in zip(shards, records):
+        extract_keyed_shard(plan, e["key"], tokens / e["file"], store, rec, settings, model=model)
+    # the tokens stage re-judged shard 0 under another policy: fewer train rows, a new content-named
+    # file, the same stable key; the plan is rewritten, the shard's job has not run again
+    rows = [{**r, "train": False} if n < 3 else r for n, r in enumerate(token_rows[0])]
+    new = tmp_path / "tokens" / "shard-00000-strict.parquet"
+    pl.DataFrame(rows, schema=SCHEMA).write_parquet(new)
+    p = json.loads(plan.read_text())
+    p["shards"][0].update(file=new.name, sha256=hashlib.sha256(new.read_bytes()).hexdigest())
+    plan.write_text(json.dumps(p))
+    with pytest.raises(ExtractionError, match="run snakemake again"):
+        gather_hidden(plan, records, tmp_path / "hidden", store, settings)
+    extract_keyed_shard(plan, shards[0]["key"], new, store, records[0], settings, model=model)
+    gather_hidden(plan, records, tmp_path / "hidden", store, settings)
+    admitted = [r["id"] for rows in ([r for r in rows], token_rows[1]) for r in rows if r["train"]]
+    assert read_index(tmp_path / "hidden").sort("sample")["id"].to_list() == admitted
