@@ -227,6 +227,7 @@ if _clashes:
 wildcard_constraints:
     dataset=regex_of(DATASETS),
     shard="[0-9a-f]{16}",
+    content="[0-9a-f]{16}",
 
 
 # The tokens stage's per-shard work (rules/tokens.smk, eagledata.tokens.pershard).
@@ -303,7 +304,7 @@ def generate_tokenizer(wildcards):
 
 # Extraction's per-shard input functions (rules/extract.smk, eagledata.extract.pershard): the checkpoint
 # extract_plan maps each stable shard key to its content-named token shard.
-from eagledata.extract.plan import plan_sources, shard_length_limit
+from eagledata.extract.plan import plan_records, plan_sources, shard_length_limit
 
 
 def extract_plan_sources(wildcards):
@@ -325,6 +326,8 @@ def extract_shard_limit(wildcards):
 
 
 def extract_shard_records(wildcards):
-    """Every shard job's record, in plan order: the gather's inputs."""
+    """Every shard job's record (named by its key and its token shard's content), in plan order: the
+    gather's inputs."""
+    plan = checkpoints.extract_plan.get(dataset=wildcards.dataset).output.plan
     work = f"{RESULTS}/{wildcards.dataset}/hidden.work/shards"
-    return [f"{work}/{key}.json" for key in extract_plan_sources(wildcards)]
+    return [f"{work}/{name}" for name in plan_records(plan)]

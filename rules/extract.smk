@@ -39,7 +39,7 @@ rule demo_model:
 #                            per stable shard key its content-named token shard in tokens.store/
 #   rule extract_shard       one job per key, resources gpu = extraction.gpus_per_job (the job claims concrete
 #                            devices with flock before importing torch): hidden.store/{token stem}.safetensors
-#                            (+ {stem}.json, its record) and hidden.work/shards/{key}.json
+#                            (+ {stem}.json, its record) and hidden.work/shards/{key}/{content}.json
 #   rule extract             gather (eagledata.extract.gather): hidden/ = manifest.json, index.parquet, hard links
 #                            into hidden.store/
 # A shard job's inputs are its content-named token shard, the weights and the code, its params the
@@ -77,7 +77,9 @@ rule extract_shard:
         weight_files=weight_files_input,  # the model's files one by one (not the directory's mtime)
         code=code_of("scripts/extract_shard.py"),
     output:
-        f"{HIDDEN_WORK}/shards/{{shard}}.json",
+        # named by the token shard's content too (eagledata.extract.plan.plan_records): changed tokens need
+        # a new record, so the job runs in the run that changed them
+        f"{HIDDEN_WORK}/shards/{{shard}}/{{content}}.json",
     params:
         # what the shards contain: a change reruns extraction (device, batch size, GPUs do not)
         layers=extract_layers,
@@ -95,9 +97,9 @@ rule extract_shard:
         gpu=config["extraction"]["gpus_per_job"],
     threads: 2
     log:
-        "logs/{dataset}/extract_shard/{shard}.log",
+        "logs/{dataset}/extract_shard/{shard}.{content}.log",
     benchmark:
-        "benchmarks/out/{dataset}/extract_shard/{shard}.tsv"
+        "benchmarks/out/{dataset}/extract_shard/{shard}.{content}.tsv"
     conda:
         "../envs/gpu.yaml"
     script:

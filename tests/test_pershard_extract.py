@@ -66,7 +66,8 @@ def _ids(work: Path, name: str) -> set[str]:
 
 
 def _records(work: Path) -> dict[str, dict]:
-    return {p.stem: json.loads(p.read_text()) for p in (work / "results/ds/hidden.work/shards").glob("*.json")}
+    # hidden.work/shards/{key}/{content}.json: one per key after a gather
+    return {p.parent.name: json.loads(p.read_text()) for p in (work / "results/ds/hidden.work/shards").glob("*/*.json")}
 
 
 def _plan_keys(work: Path) -> list[str]:
@@ -277,7 +278,7 @@ def test_eight_shard_jobs_hold_eight_gpus_and_a_failed_one_is_the_only_one_redon
     proc = snakemake(work, HIDDEN, "--cores", "32", "--resources", "gpu=8", "--keep-going", *ONE_THREAD, env=env,
                      check=False)
     assert proc.returncode != 0
-    assert "IsADirectoryError" in (work / f"logs/ds/extract_shard/{victim['key']}.log").read_text()
+    assert "IsADirectoryError" in (work / f"logs/ds/extract_shard/{victim['key']}.{victim['sha256'][:16]}.log").read_text()
     records = _records(work)
     assert sorted(records) == sorted(s["key"] for s in plan["shards"] if s is not victim)
     jobs = [r["job"] for r in records.values()]

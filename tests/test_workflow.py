@@ -364,3 +364,33 @@ def test_a_dataset_left_with_no_sample_runs_to_the_end_and_says_so(demo_run, tmp
     snakemake(work, "all")
     assert json.loads((results / "hidden/manifest.json").read_text())["samples"] == 3
     assert planned_jobs(work) == {}
+
+
+def test_a_policy_change_reaches_the_trainer_files_in_one_run(demo_run, tmp_path):
+    """A tokens rerun that changes which rows train (validation.policy) rewrites the token shards (new
+    content-named files, same stable keys) and the extraction plan. The shard jobs' records are named
+    by the tokens' content, so the changed shards are extracted in that same run: the trainer files hold
+    exactly the admitted samples after one run each way (before, the old hidden shards were published:
+    24 of 24 chat samples exported with none admitted)."""
+    work = copy_run(demo_run, tmp_path / "w")
+    config = yaml.safe_load((work / "config/config.yaml").read_text())
+    names = list(config["datasets"])
+
+    def exported() -> dict[str, tuple[int, int, int]]:
+        out = {}
+        for name in names:
+            results = work / "results" / name
+            admitted = json.loads((results / "validation.json").read_text())["counts"]["included"]
+            out[name] = (admitted, *(json.loads((results / f"export/{kind}/export.json").read_text())["samples"]
+                                     for kind in ("specforge", "speculators")))
+        return out
+
+    before = exported()
+    assert all(a == s == p > 0 for a, s, p in before.values())
+    configure(work, validation={**(config.get("validation") or {}), "policy": {"completion": ["repaired"]}})
+    snakemake(work, "all")
+    assert exported() == {name: (0, 0, 0) for name in names}
+    configure(work, validation=config.get("validation") or {})
+    snakemake(work, "all")
+    assert exported() == before
+    assert planned_jobs(work) == {}

@@ -104,15 +104,19 @@ def evict_replaced(replaced: Path, limit: int) -> None:
 
 
 def _prune_records(records_dir: Path, record_paths: Sequence[str | Path]) -> None:
-    """Remove the job records in ``records_dir`` of keys the plan no longer has (beside the current
-    ones: all of them for a dataset left with no shard). A record outliving its shard in the store
+    """Remove the job records in ``records_dir`` the plan no longer has: of keys it no longer has, and of
+    a key's earlier token contents (beside the current ones: all of them for a dataset left with no shard). A record outliving its shard in the store
     would stand for it when the shard comes back: no job would run, and the gather would miss it."""
     if not records_dir.is_dir():
         return
     current = {Path(p).resolve() for p in record_paths}
-    for p in records_dir.glob("*.json"):
+    # {key}/{content}.json, and {key}.json as an eagledata before content-named records wrote them
+    for p in [*records_dir.glob("*/*.json"), *records_dir.glob("*.json")]:
         if p.resolve() not in current:
             p.unlink()
+    for d in records_dir.iterdir():
+        if d.is_dir() and not any(d.iterdir()):
+            d.rmdir()
 
 
 def gather_hidden(plan_path: str | Path, record_paths: Sequence[str | Path], out_dir: str | Path,
@@ -144,7 +148,7 @@ def gather_hidden(plan_path: str | Path, record_paths: Sequence[str | Path], out
     warn_model_loads(manifest["job_time"])
     warn_long_samples(manifest)
     prune_store(store, [s["file"] for s in shards_out], settings.keep_replaced_bytes)
-    _prune_records(Path(plan_path).parent / "shards", record_paths)  # hidden.work/shards/{key}.json
+    _prune_records(Path(plan_path).parent / "shards", record_paths)  # hidden.work/shards/{key}/{content}.json
     fresh = [s for s in shards_out if not s.get("resumed")]
     log.info("gathered %d shards (%d samples, %d tokens) in %.1f s; the records say %d were extracted by their job, "
              "%d kept from the store", len(shards_out), manifest["samples"], manifest["tokens"],
