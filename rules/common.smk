@@ -304,7 +304,7 @@ def generate_tokenizer(wildcards):
 
 # Extraction's per-shard input functions (rules/extract.smk, eagledata.extract.pershard): the checkpoint
 # extract_plan maps each stable shard key to its content-named token shard.
-from eagledata.extract.plan import plan_records, plan_sources, shard_length_limit
+from eagledata.extract.plan import plan_sources, read_plan, shard_length_limit
 
 
 def extract_plan_sources(wildcards):
@@ -326,8 +326,11 @@ def extract_shard_limit(wildcards):
 
 
 def extract_shard_records(wildcards):
-    """Every shard job's record (named by its key and its token shard's content), in plan order: the
-    gather's inputs."""
+    """Every shard job's record, in plan order: the gather's inputs. A record is named by its key and
+    the first 16 hex digits of its token shard's sha256 (``{key}/{content}.json``): changed tokens have
+    no record yet, so their job runs in the run that rewrote the plan (a record named by the key alone
+    existed, and Snakemake, planning the shard jobs before the plan's rewrite, left them unrun). Here,
+    not in eagledata.extract (whose modules are the shard jobs' code, a resume key of every hidden shard)."""
     plan = checkpoints.extract_plan.get(dataset=wildcards.dataset).output.plan
     work = f"{RESULTS}/{wildcards.dataset}/hidden.work/shards"
-    return [f"{work}/{name}" for name in plan_records(plan)]
+    return [f"{work}/{s['key']}/{s['sha256'][:16]}.json" for s in read_plan(plan)["shards"]]

@@ -77,7 +77,7 @@ rule extract_shard:
         weight_files=weight_files_input,  # the model's files one by one (not the directory's mtime)
         code=code_of("scripts/extract_shard.py"),
     output:
-        # named by the token shard's content too (eagledata.extract.plan.plan_records): changed tokens need
+        # named by the token shard's content too (extract_shard_records, rules/common.smk): changed tokens need
         # a new record, so the job runs in the run that changed them
         f"{HIDDEN_WORK}/shards/{{shard}}/{{content}}.json",
     params:

@@ -8,8 +8,7 @@ Steps, each a job, files under ``results/{dataset}/``:
 2. :func:`extract_keyed_shard` (rule ``extract_shard``, one job per key, ``resources: gpu``): the hidden
    shard ``hidden.store/{token shard stem}.safetensors`` with a sidecar ``{stem}.json`` (the shard's
    record: stats, sanity checks, bytes, mtime, sha256), and the job's output
-   ``hidden.work/shards/{key}/{content}.json`` (the record plus the job's devices and times; ``content``:
-   its token shard's, so changed tokens need a new record and their job runs in the run that changed them). The job's inputs
+   ``hidden.work/shards/{key}.json`` (the record plus the job's devices and times). The job's inputs
    are its token shard (content-named: a new name exactly when its content changed), the weights and
    the code; its params are the settings that shape the shards. Nothing else, so another shard's change
    never reruns it. The store is no Snakemake output: a rerun job or a rerun gather never deletes a

@@ -82,15 +82,6 @@ def plan_sources(plan_path: str | Path) -> dict[str, str]:
     return {key: entry["source"] for key, entry in _entries(plan_path).items()}
 
 
-def plan_records(plan_path: str | Path) -> list[str]:
-    """Each shard's job record, relative to ``hidden.work/shards/``, in plan order: ``{key}/{content}.json``,
-    ``content`` the first 16 hex digits of its token shard's sha256. A record is named by the content it
-    was extracted from, so a shard whose tokens changed has no record yet and its job runs in the run
-    that rewrote the plan (a record named by the key alone existed, and Snakemake, planning the shard
-    jobs before the plan's rewrite, left them unrun)."""
-    return [f"{key}/{entry['sha256'][:16]}.json" for key, entry in _entries(plan_path).items()]
-
-
 def shard_length_limit(plan_path: str | Path, key: str, limit: dict[str, Any]) -> dict[str, Any]:
     """The length ``limit`` (:func:`eagledata.extract.limits.length_limit`) as it acts on shard
     ``key``: no limit when the shard's longest train sample fits it, as the shard's resume key counts
