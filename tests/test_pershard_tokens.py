@@ -321,12 +321,7 @@ def test_a_reorder_of_the_responses_reruns_only_the_plan_and_leaves_a_true_manif
     records = _records(60)
     src = tmp_path / "responses.jsonl"
     _write(src, records)
-    config = yaml.safe_load((work / "config/config.yaml").read_text())
-    config["models"] = {"k2": {"family": "kimi-k2", "tokenizer": str(K2)}}
-    config["datasets"] = {"rec": {"responses": str(src), "model": "k2", "validation": {"max_bad_fraction": 1.0}}}
-    config["tokens"] = {**(config.get("tokens") or {}), "shard_size": 10}
-    config["extraction"] = {**config["extraction"], "enabled": False}
-    (work / "config/config.yaml").write_text(yaml.safe_dump(config))
+    _import_config(work, src, K2)
     snakemake(work, "rec")
     manifest_path = work / "results/rec/tokens/manifest.json"
     validated = work / "results/rec/validation.json"
@@ -359,13 +354,8 @@ def test_one_new_response_rebuilds_only_its_shard(tmp_path):
     records = _records(300)
     src = tmp_path / "responses.jsonl"
     _write(src, records)
-    config = yaml.safe_load((work / "config/config.yaml").read_text())
     tok_dir = shutil.copytree(K2, tmp_path / "k2-tokenizer")
-    config["models"] = {"k2": {"family": "kimi-k2", "tokenizer": str(tok_dir)}}
-    config["datasets"] = {"rec": {"responses": str(src), "model": "k2", "validation": {"max_bad_fraction": 1.0}}}
-    config["tokens"] = {**(config.get("tokens") or {}), "shard_size": 10}
-    config["extraction"] = {**config["extraction"], "enabled": False}
-    (work / "config/config.yaml").write_text(yaml.safe_dump(config))
+    config = _import_config(work, src, tok_dir)
     snakemake(work, "rec")
     assert planned_jobs(work, "rec") == {}
     plan = json.loads((work / "results/rec/tokens.work/plan.json").read_text())
@@ -429,3 +419,15 @@ def test_one_new_response_rebuilds_only_its_shard(tmp_path):
         fh.write("{# edited #}")
     jobs = planned_jobs(work, "rec")
     assert jobs.get("token_shard") == shards_now and jobs.get("tokens") == 1, jobs
+
+
+def _import_config(work, src, tokenizer) -> dict:
+    """The work copy's config: one imported dataset ``rec`` of ``src`` (kimi-k2, ``tokenizer``), shards
+    of 10, every sample let through validation, no extraction; returns it."""
+    config = yaml.safe_load((work / "config/config.yaml").read_text())
+    config["models"] = {"k2": {"family": "kimi-k2", "tokenizer": str(tokenizer)}}
+    config["datasets"] = {"rec": {"responses": str(src), "model": "k2", "validation": {"max_bad_fraction": 1.0}}}
+    config["tokens"] = {**(config.get("tokens") or {}), "shard_size": 10}
+    config["extraction"] = {**config["extraction"], "enabled": False}
+    (work / "config/config.yaml").write_text(yaml.safe_dump(config))
+    return config

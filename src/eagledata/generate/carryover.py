@@ -42,7 +42,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Collection, Iterable, Iterator
 
 from eagledata.generate.cache import ResponseCache, complete_lines_end
 from eagledata.io import open_lines
@@ -61,6 +61,20 @@ def sibling_caches(cache_dir: str | Path, dataset: str) -> list[tuple[str, Path]
     return [(p.parent.name, p) for p in sorted(root.glob("*/responses.jsonl")) if p.parent.name != dataset and p.is_file()]
 
 
+def _answer(line: bytes, wanted: set[str], seen: Collection[str]) -> dict[str, Any] | None:
+    """The record of a cache line when it is a status-200 answer to a ``wanted`` key not ``seen`` yet
+    (parsed only when one of its ``"cache_key"`` candidates is such a key)."""
+    keys = {m.group(1).decode("ascii") for m in _KEY.finditer(line)} & wanted
+    if not any(k not in seen for k in keys):
+        return None
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None
+    key = rec.get("cache_key") if isinstance(rec, dict) else None
+    return rec if key in keys and key not in seen and rec.get("status") == 200 else None
+
+
 def carried_answers(path: Path, wanted: set[str]) -> Iterable[dict[str, Any]]:
     """The records of the cache at ``path`` whose ``cache_key`` is in ``wanted`` and whose status is
     200, each once (the first complete line of a key), in file order."""
@@ -69,16 +83,9 @@ def carried_answers(path: Path, wanted: set[str]) -> Iterable[dict[str, Any]]:
         for line in fh:
             if not line.endswith(b"\n"):
                 break  # a torn last line: not a record yet
-            keys = {m.group(1).decode("ascii") for m in _KEY.finditer(line)} & wanted
-            if not keys - seen:
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            key = rec.get("cache_key") if isinstance(rec, dict) else None
-            if key in keys and key not in seen and rec.get("status") == 200:
-                seen.add(key)
+            rec = _answer(line, wanted, seen)
+            if rec is not None:
+                seen.add(rec["cache_key"])
                 yield rec
 
 
@@ -236,16 +243,9 @@ class RequestClaims:
         return offset
 
     def _note(self, name: str, path: Path, offset: int, line: bytes, wanted: set[str]) -> None:
-        keys = {m.group(1).decode("ascii") for m in _KEY.finditer(line)} & wanted
-        if not keys - self.found.keys():
-            return
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            return
-        key = rec.get("cache_key") if isinstance(rec, dict) else None
-        if key in keys and key not in self.found and rec.get("status") == 200:
-            self.found[key] = (name, path, offset, len(line))
+        rec = _answer(line, wanted, self.found.keys())
+        if rec is not None:
+            self.found[rec["cache_key"]] = (name, path, offset, len(line))
 
     def close(self) -> None:
         """Drop every claim (closing the descriptor drops the process's locks on the file)."""
