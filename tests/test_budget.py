@@ -787,3 +787,45 @@ def test_plan_fails_on_a_tokenizer_that_is_there_but_does_not_load(tmp_path, k25
     cfg["models"]["m"]["tokenizer"] = str(k25[0].source)
     cfg_path.write_text(json.dumps(cfg))
     assert cli_main(["plan", "--config", str(cfg_path)]) == 0
+
+
+def test_plan_sets_the_worst_case_against_what_is_left_of_the_dataset_cap(tmp_path, k25, capsys):
+    """A dataset's own ``budget_usd`` is shown against its worst case: the plan said nothing of it, and a
+    run whose cap had room for no request sent nothing and stopped (user audit r3: 10 prompts, worst
+    $0.0102, $0.0009 left of a $0.003 cap)."""
+    tok, _ = k25
+    prompts = write_prompts(tmp_path / "p.jsonl", 10)
+    cfg = make_config(tmp_path, prompts, tok.source, api_base="http://127.0.0.1:9/api/v1", max_tokens=400)
+    cfg["budget_usd"] = 5.0
+    cfg["datasets"]["d"]["budget_usd"] = 0.003
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(json.dumps(cfg))
+    ledger = BudgetLedger(ledger_path(tmp_path / "cache"))
+    try:
+        assert reserve(ledger, "r1", 0.001, dataset="d", cap=None).granted
+        ledger.settle("r1", 0.0021)
+        assert reserve(ledger, "r2", 0.5, dataset="other", cap=None).granted  # another dataset's spend: not this cap's
+        ledger.settle("r2", 0.4)
+    finally:
+        ledger.close()
+    assert cli_main(["plan", "--config", str(cfg_path), "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["datasets"][0]
+    assert row["dataset_remaining_usd"] == pytest.approx(0.0009)
+    assert cli_main(["plan", "--config", str(cfg_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"note: d: the worst case ${row['cost_worst']:.4f} exceeds what is left of datasets.d.budget_usd 0.003 " \
+           "($0.0009)" in out
+    assert "$-0.0000" not in out
+    cfg["datasets"]["d"]["budget_usd"] = 1.0  # room for every worst case: no note
+    cfg_path.write_text(json.dumps(cfg))
+    assert cli_main(["plan", "--config", str(cfg_path)]) == 0
+    assert "exceeds what is left of datasets.d.budget_usd" not in capsys.readouterr().out
+
+
+def test_plan_prints_no_negative_zero_for_a_float_residue():
+    from eagledata.generate.plan import format_plan
+
+    text = format_plan({"datasets": [], "budget_usd": 5, "spent_usd": 0.0241, "held_usd": -2e-19,
+                        "remaining_usd": 4.9759, "cost_low": 0.0, "cost_worst": 0.0, "billed_cost_worst": 0.0,
+                        "ledger": "l"})
+    assert "held $0.0000," in text and "-0.0000" not in text

@@ -10,7 +10,9 @@ for byte-level BPE vocabularies).
 ``eagledata plan`` (no request is sent, nothing is paid): per dataset, the samples, how many are
 cached, how many would be requested, and the cost range of those: low (prompt + one completion
 token each), expected (prompt + the mean completion length of the dataset's cached responses, when
-there are any) and worst case (the budget reservation); plus the ledger's spend and the budget left.
+there are any) and worst case (the budget reservation); plus the ledger's spend and the budget left,
+and, for a dataset with its own ``budget_usd``, what is left of that cap (its own account, as the job's
+reservations count it), with a note where its worst case exceeds it.
 With ``turns: all`` the plan counts turns, not records: ``samples`` is every user turn of every
 conversation (:func:`eagledata.generate.conversation.user_turns` x ``samples_per_prompt``),
 ``cached`` the turns answered in the cache (followed conversation by conversation, as the job
@@ -43,7 +45,7 @@ from typing import Any, Mapping
 
 from eagledata.config import DatasetSettings, dataset_settings
 from eagledata.errors import InputError
-from eagledata.generate.budget import BILLED_BACKEND, BudgetLedger, ledger_path
+from eagledata.generate.budget import BILLED_BACKEND, BudgetLedger, account, ledger_path
 from eagledata.generate.cache import ResponseCache
 from eagledata.generate.carryover import carried_records
 from eagledata.generate.progress import stderr_log
@@ -245,12 +247,18 @@ def plan(config: Mapping[str, Any], datasets: list[str] | None = None) -> dict[s
         row["preflight"] = None if built else tokenizer_problem(model, model_name)
     path = ledger_path(config["cache_dir"])
     spent = held = 0.0
+    totals: dict[str, dict[str, float]] = {}
     if path.exists():
         ledger = BudgetLedger(path)
         try:
+            totals = ledger.totals()
             spent, held = ledger.billed_totals()  # a rehearsal's simulated spend is capped apart
         finally:
             ledger.close()
+    for row in rows:  # a dataset's own cap counts its own account only, as the job's reservations do
+        if row.get("dataset_budget_usd") is not None:
+            own = totals.get(account(row["dataset"], row["backend"]), {"spent": 0.0, "held": 0.0})
+            row["dataset_remaining_usd"] = row["dataset_budget_usd"] - own["spent"] - own["held"]
     budget = config.get("budget_usd")
     worst = sum(r["cost_worst"] for r in rows)
     billed_worst = sum(r["cost_worst"] for r in rows if r["backend"] == BILLED_BACKEND)  # what budget_usd caps
@@ -274,7 +282,7 @@ def shard_jobs_known(token_plan: str | Path, to_request: int) -> bool:
 def format_plan(p: Mapping[str, Any]) -> str:
     """The plan as the table ``eagledata plan`` prints."""
     def usd(v: float | None) -> str:
-        return "-" if v is None else f"${v:,.4f}"
+        return "-" if v is None else f"${round(v, 4) + 0.0:,.4f}"  # + 0.0: a float residue of -1e-19 is not $-0.0000
 
     head = f"{'dataset':<16} {'backend':<10} {'samples':>8} {'cached':>8} {'request':>8} {'low':>11} {'expected':>11} {'worst':>11}  prompt estimate"
     lines = [head, "-" * len(head)]
@@ -293,6 +301,12 @@ def format_plan(p: Mapping[str, Any]) -> str:
         if p["remaining_usd"] is not None and p["billed_cost_worst"] > p["remaining_usd"]:
             lines.append("note: the worst case exceeds what is left; generation stops starting requests at the budget "
                          "(completed responses stay cached)")
+    for r in p["datasets"]:
+        left = r.get("dataset_remaining_usd")
+        if left is not None and (r.get("cost_worst") or 0.0) > left:
+            lines.append(f"note: {r['dataset']}: the worst case {usd(r['cost_worst'])} exceeds what is left of "
+                         f"datasets.{r['dataset']}.budget_usd {r['dataset_budget_usd']:g} ({usd(left)}); generation "
+                         "stops starting requests at that cap (completed responses stay cached)")
     for r in p["datasets"]:
         if r.get("turns"):
             lines.append(f"note: {r['dataset']}: turns: all: samples/cached/request count turns of "
