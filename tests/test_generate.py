@@ -262,6 +262,34 @@ def test_killed_run_resumes_without_rerequesting_cached(setup, tmp_path):
     assert len(read_jsonl(out)) == 12
 
 
+def test_prompts_appended_while_the_job_runs_fail_it_and_the_rerun_requests_only_them(setup, tmp_path):
+    """Snakemake records a job's input checksums when it ends: an output written from the prompts file
+    as the job read it passed for the file as it was then, so prompts appended meanwhile were left
+    out and every later dry run said "nothing to be done" (user audit r3: 4 of 20 prompts missing).
+    The job fails instead, its answers cached; the rerun requests the new prompts only."""
+    sim, cfg = setup(concurrency=2)
+    out = tmp_path / "out.jsonl"
+    prompts = Path(cfg["datasets"]["d"]["prompts"])
+    appended = []
+
+    def log(message: str) -> None:
+        if " to request " in message and not appended:  # the job has read the file and is about to send
+            extra = {"id": "late", "messages": [{"role": "user", "content": "appended while the job ran"}]}
+            with prompts.open("a", encoding="utf-8") as f:
+                f.write(json.dumps(extra) + "\n")
+            appended.append(extra)
+
+    with pytest.raises(GenerationError, match=r"prompts.jsonl changed while the job ran \(it read 12 prompt"):
+        generate_dataset(cfg, "d", out, log=log)
+    assert appended and not out.exists()
+    assert sim.requests_total == 12
+    summary = generate_dataset(cfg, "d", out, log=quiet)
+    assert (summary["cached"], summary["requested"]) == (12, 1) and sim.requests_total == 13
+    assert [r["id"] for r in read_jsonl(out)][-1] == "late" and len(read_jsonl(out)) == 13
+    generate_dataset(cfg, "d", out, log=quiet)  # the file unchanged (a touch is no change): no error, nothing sent
+    assert sim.requests_total == 13
+
+
 def test_torn_last_cache_line_is_ignored_and_repaired(setup, tmp_path):
     sim, cfg = setup()
     out = tmp_path / "out.jsonl"

@@ -63,7 +63,7 @@ from eagledata.generate.rescue import free_space
 from eagledata.generate.respell import Respeller
 from eagledata.generate.retries import ClientSettings
 from eagledata.generate.turns import TurnPlanner, TurnState, conversation_summary
-from eagledata.io import atomic_write_json
+from eagledata.io import atomic_write_json, sha256_file
 
 #: Fields of every record of ``results/{dataset}/responses.jsonl``.
 RECORD_FIELDS = ("id", "prompt_id", "sample_index", "request", "status", "response_raw", "url", "cache_key",
@@ -97,6 +97,7 @@ class Run:
     carried: dict[str, int] = field(default_factory=dict)  # answers carried over, per dataset they came from
     respeller: Respeller | None = None  # answers cached under another spelling of the same settings
     claims: RequestClaims | None = None  # dedup datasets: requests claimed across datasets while sent
+    prompts_sha256: str = ""  # of the prompts file as the job read it (:func:`check_prompts_unchanged`)
 
 
 def never_failing(log: Log) -> Log:
@@ -126,6 +127,7 @@ def prepare(config: Mapping[str, Any], dataset: str, log: Log) -> Run:
         raise GenerationError(f"dataset {dataset!r} uses backend sglang: set generation.api_base to the SGLang server "
                               "(e.g. http://127.0.0.1:30000)")
     headers = auth_headers(s.backend, dataset)
+    prompts_sha256 = sha256_file(s.prompts)
     read_prompts(s.prompts)  # a bad prompt file is reported (file:line:field) before the tokenizer is needed
     tokenizer = None
     # the requests themselves need it (keys, prompt ids), and dedup compares canonical prompt ids
@@ -136,7 +138,26 @@ def prepare(config: Mapping[str, Any], dataset: str, log: Log) -> Run:
     work = dataset_work(config, dataset, tokenizer)
     for d in work.duplicates:
         log(f"generate {dataset}: {s.prompts}:{d.line}: prompt {d.id!r} left out, a duplicate of {d.duplicate_of} (dedup)")
-    return Run(config, dataset, s, headers, tokenizer, work, log, api_base=work.api_base)
+    run = Run(config, dataset, s, headers, tokenizer, work, log, api_base=work.api_base, prompts_sha256=prompts_sha256)
+    check_prompts_unchanged(run, "while the job read it")
+    return run
+
+
+def check_prompts_unchanged(run: Run, when: str) -> None:
+    """A :class:`GenerationError` when the dataset's prompts file no longer has the content the job
+    read. Snakemake records its inputs' checksums when a job ends, so an output written from the
+    file as it was would pass for the file as it is: prompts appended while a long job runs would be
+    left out, with every later dry run \"nothing to be done\". Failing instead removes the output, and
+    the rerun requests only what is not cached."""
+    path = run.settings.prompts
+    try:
+        now = sha256_file(path)
+    except OSError as exc:
+        now = f"unreadable ({exc})"
+    if now != run.prompts_sha256:
+        raise GenerationError(f"generate {run.dataset}: {path} changed {when} (it read {len(run.work.prompts)} prompt(s)); "
+                              "the answers received are cached and will not be requested again: rerun to generate "
+                              "what the file holds now")
 
 
 async def take_cache_lock(config: Mapping[str, Any], dataset: str, log: Log) -> Any:
@@ -528,6 +549,7 @@ async def generate_dataset_async(config: Mapping[str, Any], dataset: str, output
         summary = summarize(run, output_path, elapsed)
         write_summary_beside_cache(run, summary)
         raise_if_unfinished(run)
+        check_prompts_unchanged(run, "while the job ran")
         n_written, error_ids = write_output(run, output_path)
     finally:
         lock.release()
