@@ -6,7 +6,7 @@ from pathlib import Path
 
 from eagledata.codeinputs import verify_loaded_code
 from eagledata.validate.profiles import history_path, record_validation
-from eagledata.validate.summary import ValidationFailed, render_summary, write_validation
+from eagledata.validate.summary import ValidationFailed, prompt_warnings, render_summary, write_validation
 
 sm = snakemake  # noqa: F821 - injected by Snakemake
 logging.basicConfig(filename=sm.log[0], level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -17,6 +17,8 @@ try:
                               sm.params.bad_counts)
     record_validation(history_path(sm.config["cache_dir"]), report, manifest)
     logging.info("\n%s", render_summary(report))
+    for warning in prompt_warnings(report):
+        print(f"eagledata validate {report['dataset']}: {warning}", file=sys.stderr)
     verify_loaded_code(sm.input.code)
 except ValidationFailed as exc:
     # Snakemake deletes outputs of a failed job; the log and the fidelity history keep the findings.

@@ -290,3 +290,28 @@ def test_history_entries_of_per_shard_manifests_match_by_records_not_by_a_missin
     assert accumulated_profiles(hist)["P"]["total"] == 2
     record_validation(hist, report, {"source_records_sha256": "r1", "source": "/moved/responses.jsonl"})
     assert accumulated_profiles(hist)["P"]["total"] == 2
+
+
+def test_every_billed_prompt_differing_with_no_variant_is_warned_of(k25, tmp_path):
+    """A wrong chat template (models.k25.tokenizer pointing at Kimi K2 Thinking's directory for K2.5:
+    user audit r3) made every prompt differ (+17 / -1), yet validation said PASSED with no word of it
+    and admitted all 28 samples with prompt ids the model never saw. The summary now warns, naming
+    what to check; one exact prompt, or a learned variant, is no such sign."""
+    tok, fam = k25
+    n_prompt = len(prompt_ids(tok, MSGS))
+    r, c = " Two plus three.", " It is 5."
+    true_len = len(tok.encode_plain(r)) + 1 + len(tok.encode_plain(c)) + 1
+    off = tmp_path / "off.jsonl"
+    off.write_text("".join(json.dumps(_record(tok, f"s{i}", r, c, true_len, n_prompt + (17 if i % 3 else -1))) + "\n"
+                           for i in range(6)))
+    build_token_shards(off, tmp_path / "t1", tok, fam, "off")
+    rep = write_validation(tmp_path / "t1", tmp_path / "v.json", tmp_path / "v.txt", 0.05)
+    assert rep["passed"] and rep["counts"]["prompt"]["differs"] == 6
+    text = (tmp_path / "v.txt").read_text()
+    assert "warning: none of the 6 billed prompts has our rendering's token count" in text
+    assert "check the model's tokenizer, chat_template and family" in text and "6 sample(s) are admitted" in text
+    good = tmp_path / "good.jsonl"  # one exact prompt among them: a provider's own rendering, reported per provider
+    good.write_text(off.read_text() + json.dumps(_record(tok, "s9", r, c, true_len, n_prompt)) + "\n")
+    build_token_shards(good, tmp_path / "t2", tok, fam, "good")
+    write_validation(tmp_path / "t2", tmp_path / "v2.json", tmp_path / "v2.txt", 0.05)
+    assert "warning:" not in (tmp_path / "v2.txt").read_text()

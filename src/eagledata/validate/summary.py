@@ -185,6 +185,28 @@ def _counts(rows: dict[str, dict[str, Any]], total: int, n_excluded: int, df) ->
             "admitted_with_prompt_unproven": admitted["unproven"]}
 
 
+#: Fewest billed prompts, all differing, before :func:`prompt_warnings` blames our rendering.
+TEMPLATE_SUSPECT_MIN = 3
+
+
+def prompt_warnings(report: dict[str, Any]) -> list[str]:
+    """Warnings about the prompt side that the gate does not count (``bad_counts: completion``): no
+    billed prompt of any provider has our rendering's count and no provider's rendering variant
+    explains it (at least :data:`TEMPLATE_SUSPECT_MIN` of them). A provider rendering its own way is
+    reported per provider; every provider differing at once points at our chat template or tokenizer
+    (a wrong ``models.NAME.tokenizer``, ``chat_template`` or ``family``), and under the default policy
+    every such sample is admitted with prompt ids the model never saw."""
+    pc = report["counts"].get("prompt", {})
+    billed = pc.get("exact", 0) + pc.get("differs", 0) + pc.get("unproven", 0)
+    explained = any(p.get("prompt_variant") for p in report["providers"].values())
+    if billed < TEMPLATE_SUSPECT_MIN or pc.get("differs", 0) != billed or explained:
+        return []
+    return [f"warning: none of the {billed} billed prompts has our rendering's token count, over every provider, and "
+            "no provider rendering variant explains it: check the model's tokenizer, chat_template and family "
+            f"(models.NAME in the config); {report['counts'].get('admitted_with_prompt_differs', 0)} sample(s) are "
+            "admitted with these prompt ids (policy " + str(report.get("policy")) + ")"]
+
+
 def render_summary(report: dict[str, Any]) -> str:
     c = report["counts"]
     cc, pc = c.get("completion", {}), c.get("prompt", {})
@@ -198,6 +220,7 @@ def render_summary(report: dict[str, Any]) -> str:
         f"{pc.get('error', 0)} unrenderable",
         f"bad fraction ({report.get('bad_counts', 'both')}) {report['bad_fraction']:.4f} (limit {report['max_bad_fraction']}): "
         + ("PASSED" if report["passed"] else "FAILED"),
+        *prompt_warnings(report),
         "",
         f"{'provider':<16}{'total':>7}{'c.exact':>8}{'c.rep':>7}{'c.bad':>7}{'p.exact':>8}{'admit':>7}  convention   "
         "completion diff (ours-billed: n); prompt variant; reasoning count",
