@@ -829,3 +829,19 @@ def test_plan_prints_no_negative_zero_for_a_float_residue():
                         "remaining_usd": 4.9759, "cost_low": 0.0, "cost_worst": 0.0, "billed_cost_worst": 0.0,
                         "ledger": "l"})
     assert "held $0.0000," in text and "-0.0000" not in text
+
+
+def test_plan_warns_of_a_missing_api_key_where_requests_are_to_be_sent(tmp_path, k25, capsys, monkeypatch):
+    """The plan showed a cost and no word of the key the generate job then stopped for (user audit r3)."""
+    tok, _ = k25
+    prompts = write_prompts(tmp_path / "p.jsonl", 3)
+    cfg = make_config(tmp_path, prompts, tok.source, api_base="http://127.0.0.1:9/api/v1")
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(json.dumps(cfg))
+    monkeypatch.delenv("OPENROUTER_API_KEY", raising=False)
+    assert cli_main(["plan", "--config", str(cfg_path)]) == 0  # a cost estimate needs no key
+    assert "warning: dataset 'd' uses backend openrouter: set OPENROUTER_API_KEY in the environment (generation " \
+           "would stop before its first request)" in capsys.readouterr().out
+    monkeypatch.setenv("OPENROUTER_API_KEY", API_KEY)
+    assert cli_main(["plan", "--config", str(cfg_path)]) == 0
+    assert "OPENROUTER_API_KEY" not in capsys.readouterr().out

@@ -29,7 +29,8 @@ A dataset whose token plan (the ``token_plan`` checkpoint) is not current (reque
 ``plan.json`` older than its responses or missing) gets a note: ``snakemake -n`` cannot list its
 token_shard and extract_shard jobs until the plan is rewritten (:func:`shard_jobs_known`).
 
-It also runs the cheap part of the generate job's preflight (:func:`eagledata.generate.tokenizers.tokenizer_problem`:
+A dataset with requests for OpenRouter and no usable ``OPENROUTER_API_KEY`` gets a warning (the plan itself
+needs no key). It also runs the cheap part of the generate job's preflight (:func:`eagledata.generate.tokenizers.tokenizer_problem`:
 the tokenizer directory is found and holds tokenizer files) and exits 1, naming the path, where it
 fails; a config error (unknown key, bad dataset name) stops it with the message, exit 2.
 """
@@ -48,6 +49,7 @@ from eagledata.errors import InputError
 from eagledata.generate.budget import BILLED_BACKEND, BudgetLedger, account, ledger_path
 from eagledata.generate.cache import ResponseCache
 from eagledata.generate.carryover import carried_records
+from eagledata.generate.errors import GenerationError
 from eagledata.generate.progress import stderr_log
 from eagledata.generate.prompts import canonical_json
 from eagledata.generate.dedup import dataset_option
@@ -245,6 +247,7 @@ def plan(config: Mapping[str, Any], datasets: list[str] | None = None) -> dict[s
         model = config["models"][model_name]
         built = workflow_built(model["tokenizer"], config) and not Path(model["tokenizer"]).exists()
         row["preflight"] = None if built else tokenizer_problem(model, model_name)
+        row["api_key_problem"] = api_key_problem(row)
     path = ledger_path(config["cache_dir"])
     spent = held = 0.0
     totals: dict[str, dict[str, float]] = {}
@@ -266,6 +269,20 @@ def plan(config: Mapping[str, Any], datasets: list[str] | None = None) -> dict[s
             "remaining_usd": None if budget is None else budget - spent - held,
             "cost_low": sum(r["cost_low"] for r in rows), "cost_worst": worst, "billed_cost_worst": billed_worst,
             "ledger": str(path)}
+
+
+def api_key_problem(row: Mapping[str, Any]) -> str | None:
+    """Why the generate job would stop before its first request for want of a usable
+    ``OPENROUTER_API_KEY`` (a dataset with requests to send to OpenRouter), else ``None``."""
+    if row.get("backend") != BILLED_BACKEND or not row.get("to_request"):
+        return None
+    from eagledata.generate.openrouter import api_key  # here: it imports the HTTP client
+
+    try:
+        api_key(f"dataset {row['dataset']!r} uses backend openrouter")
+    except GenerationError as exc:
+        return str(exc)
+    return None
 
 
 def shard_jobs_known(token_plan: str | Path, to_request: int) -> bool:
@@ -321,6 +338,9 @@ def format_plan(p: Mapping[str, Any]) -> str:
     for r in p["datasets"]:
         if r.get("preflight"):
             lines.append(f"error: {r['dataset']}: {r['preflight']} (generation would stop before its first request)")
+    for r in p["datasets"]:
+        if r.get("api_key_problem"):
+            lines.append(f"warning: {r['api_key_problem']} (generation would stop before its first request)")
     for r in p["datasets"]:
         zero = [k for k in ("prompt", "completion") if (r.get("price_per_mtok") or {}).get(k) == 0]
         if zero and r["backend"] == "openrouter":
