@@ -356,10 +356,17 @@ def test_compact_arguments_cast_no_count_convention_vote():
     assert flipped["P"]["by_finish"]["tool_calls"] == {"convention": "excludes_eot",
                                                        "support": {"counts_eot": 3, "excludes_eot": 2}}
     assert convention_for(flipped, "P", "tool_calls", "counts_eot") == "excludes_eot"
-    # the other way round stands: a provider counting <|im_end|> whose tool calls do not
-    other = learn_conventions(_stats(10, "M", "stop", 20, 20) + _stats(4, "M", "tool_calls", 30, 29))
-    assert other["M"]["by_finish"]["tool_calls"]["convention"] == "excludes_eot"
-    assert convention_for(other, "M", "tool_calls", "excludes_eot") == "excludes_eot"
+    # the other way round stands: a provider counting <|im_end|> whose tool calls do not (Moonshot AI),
+    # also where its tool calls outnumber its plain answers (the provider's own pick is then excludes_eot)
+    for n_calls in (4, 40):
+        other = learn_conventions(_stats(10, "M", "stop", 20, 20) + _stats(n_calls, "M", "tool_calls", 30, 29))
+        assert other["M"]["by_finish"]["tool_calls"]["convention"] == "excludes_eot"
+        assert other["M"]["by_finish"]["stop"]["convention"] == "counts_eot"
+        assert convention_for(other, "M", "tool_calls", "excludes_eot") == "excludes_eot"
+        assert convention_for(other, "M", "stop", "counts_eot") == "counts_eot"
+        merged, _, _ = summaries.learn(summaries.merge([summaries.summarize(_stats(10, "M", "stop", 20, 20)),
+                                                        summaries.summarize(_stats(n_calls, "M", "tool_calls", 30, 29))]))
+        assert merged["M"]["by_finish"] == other["M"]["by_finish"]
     # the per-shard summaries learn the same
     learned, _, _ = summaries.learn(summaries.merge([summaries.summarize(stats[:12]), summaries.summarize(stats[12:])]))
     assert learned["P"]["support"] == conv["P"]["support"]

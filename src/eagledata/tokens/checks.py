@@ -312,8 +312,8 @@ def learn_conventions(stats: Iterable[SampleStats]) -> dict[str, dict]:
     agreements wins (``counts_eot`` on a tie); a group none of whose samples agree under either is
     ``unknown``. Serving stacks may count differently after a tool-call section than after plain
     text, so each finish reason gets its own convention when its samples support one; it falls
-    back to the provider's overall convention otherwise, and always where its own would count one token
-    more than the provider's (:func:`group_convention`). Only the two known conventions are ever
+    back to the provider's overall convention otherwise; a finish reason other than ``stop`` never counts
+    ``<|im_end|>`` where the provider's plain answers do not (:func:`group_convention`). Only the two known conventions are ever
     accepted, never an offset."""
     support: dict[str, Counter] = {}
     by_finish: dict[tuple[str, str], Counter] = {}
@@ -327,23 +327,39 @@ def learn_conventions(stats: Iterable[SampleStats]) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for provider, c in support.items():
         out[provider] = {"convention": pick_convention(c), "support": dict(c), "by_finish": {}}
-    for (provider, finish), c in by_finish.items():
+    for (provider, finish), c in sorted(by_finish.items(), key=lambda kv: kv[0][1] != "stop"):  # stop first
         if c:
-            out[provider]["by_finish"][finish] = {
-                "convention": group_convention(pick_convention(c), out[provider]["convention"]), "support": dict(c)}
+            groups = out[provider]["by_finish"]
+            groups[finish] = {"convention": group_convention(pick_convention(c), finish, reference_convention(out[provider])),
+                              "support": dict(c)}
     return out
 
 
-def group_convention(group: str, provider: str) -> str:
-    """A finish reason's convention given its samples' pick (``group``) and the provider's: the
-    group's, except that a group never counts ``<|im_end|>`` where its provider does not. Provider
+def reference_convention(learned: Mapping[str, Any], own_vote: str | None = None) -> str:
+    """What a provider's plain answers follow: its ``stop`` group's convention, else its own (``own_vote``
+    left out of the latter's support: a sample never proves itself)."""
+    stop = (learned.get("by_finish") or {}).get("stop")
+    if stop and stop.get("convention", "unknown") != "unknown":
+        return stop["convention"]
+    if own_vote is None:
+        return learned.get("convention", "unknown")
+    return _pick_without(learned.get("support") or {}, own_vote)
+
+
+def group_convention(group: str, finish: str | None, reference: str) -> str:
+    """A finish reason's convention given its samples' pick (``group``) and what the provider's plain
+    answers follow (``reference``, :func:`reference_convention`): the group's, except that another
+    finish reason than ``stop`` never counts ``<|im_end|>`` where the plain answers do not. Provider
     transformations lose tokens (a stripped space, compacted arguments), and a sample one token short
-    agrees under ``counts_eot`` with a provider that excludes it: samples of one finish reason that
-    share such a loss (tool calls after a stripped ``\n\n``) outvoted their group and were admitted
-    with the token missing. Real stacks that count differently after a tool-call section exclude it
-    there (recorded: Moonshot AI, Novita); a group that really counted it would be judged one token
-    long, a mismatch, never a wrong id admitted."""
-    return provider if group == COUNTS_EOT and provider == EXCLUDES_EOT else group
+    agrees under ``counts_eot`` with a provider that excludes it: tool-call answers sharing such a loss
+    (a stripped ``\n\n`` after ``</think>``) outvoted their group and were admitted with the token
+    missing. Real stacks that count differently after a tool-call section exclude it there (recorded:
+    Moonshot AI and Novita count it after text, not after tool calls), whatever the mix of a dataset's
+    answers; a group that really counted it would be judged one token long, a mismatch, never a wrong
+    id admitted."""
+    if (finish or "") != "stop" and group == COUNTS_EOT and reference == EXCLUDES_EOT:
+        return reference
+    return group
 
 
 def count_vote(s: SampleStats) -> str | None:
@@ -383,12 +399,13 @@ def convention_for(conventions: Mapping[str, Mapping], provider: str, finish_rea
     group = (p.get("by_finish") or {}).get(finish_reason or "")
     if own_vote is None:
         return group["convention"] if group else p.get("convention", "unknown")
-    overall = _pick_without(p.get("support") or {}, own_vote)
     if group:
         conv = _pick_without(group.get("support") or {}, own_vote)
         if conv != "unknown":
-            return group_convention(conv, overall)
-    return overall
+            # the reference: the stop group's (this sample's vote is not in it, or this is that group) else the
+            # provider's without this vote
+            return group_convention(conv, finish_reason, reference_convention(p, own_vote))
+    return _pick_without(p.get("support") or {}, own_vote)
 
 
 def _pick_without(support: Mapping[str, int], vote: str) -> str:

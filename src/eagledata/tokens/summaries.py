@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping
 
 from eagledata.tokens.checks import (EXCLUDES_EOT, COUNTS_EOT, REASONS, SampleStats, count_vote, group_convention,
-                                     pick_convention, convention_for)
+                                     pick_convention, convention_for, reference_convention)
 from eagledata.tokens.learning import MIN_VARIANT_SAMPLES, RENDERINGS, diff_under, key_order_learned, variant_name
 
 # 2: a sample whose end may be a trimmed stop string casts no count-convention vote; 3: the tools in the
@@ -125,11 +125,12 @@ def learn(summary: Mapping[str, Any]) -> tuple[dict[str, dict], dict[str, dict],
     conventions: dict[str, dict] = {}
     for provider, c in summary["conventions"].items():
         conventions[provider] = {"convention": _pick_counts(c), "support": dict(c), "by_finish": {}}
-    for key, c in summary["by_finish"].items():
+    for key, c in sorted(summary["by_finish"].items(), key=lambda kv: _unsep(kv[0])[1] != "stop"):  # stop first
         provider, finish = _unsep(key)
         if any(c.values()):
             conventions[provider]["by_finish"][finish] = {
-                "convention": group_convention(_pick_counts(c), conventions[provider]["convention"]), "support": dict(c)}
+                "convention": group_convention(_pick_counts(c), finish, reference_convention(conventions[provider])),
+                "support": dict(c)}
     variants = _variants(summary["prompts"])
     for provider, votes in summary["key_order"].items():
         if any(votes.values()):
