@@ -130,6 +130,12 @@ def _account_sql(row: str = "") -> str:
             f"ELSE {row}dataset || '@' || {row}backend END")
 
 
+def format_usd(v: float, grouping: str = "") -> str:
+    """Dollars to 4 places (``grouping``: ``","`` for thousands separators); a float sum's -0.0000
+    (settled amounts cancelling, a residue of -1e-19) shown as 0."""
+    return f"${round(v, 4) + 0.0:{grouping}.4f}"
+
+
 def backend_totals(totals: Mapping[str, Mapping[str, float]], backend: str) -> tuple[float, float]:
     """(spent, held) over the accounts of ``backend`` in ``totals`` (:meth:`BudgetLedger.totals`)."""
     rows = [t for name, t in totals.items() if account_backend(name) == backend]

@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from eagledata.config import dataset_settings
-from eagledata.generate.budget import BILLED_BACKEND, BudgetLedger, account, account_backend, backend_totals, ledger_path
+from eagledata.generate.budget import (BILLED_BACKEND, BudgetLedger, account, account_backend, backend_totals, format_usd,
+                                       ledger_path)
 
 
 def format_report(rows: list[dict[str, Any]], totals: Mapping[str, Mapping[str, float]], budget_usd: float | None,
@@ -18,27 +19,22 @@ def format_report(rows: list[dict[str, Any]], totals: Mapping[str, Mapping[str, 
     head = f"{'dataset':<16} {'provider':<22} {'attempts':>8} {'spent':>11} {'in flight':>11} {'orphaned':>11} {'tokens in/out':>21}"
     lines = [head, "-" * len(head)]
     for r in rows:
-        usd = [_usd(r[k]) for k in ("spent_usd", "in_flight_usd", "orphaned_usd")]
+        usd = [format_usd(r[k]) for k in ("spent_usd", "in_flight_usd", "orphaned_usd")]
         lines.append(f"{r['dataset']:<16} {str(r['provider'])[:22]:<22} {r['attempts']:>8} {usd[0]:>11} {usd[1]:>11} "
                      f"{usd[2]:>11} {str(r['prompt_tokens']) + '/' + str(r['completion_tokens']):>21}")
     spent, held = backend_totals(totals, BILLED_BACKEND)
-    lines.append(f"total: spent {_usd(spent)}, held {_usd(held)} (in flight + orphaned, counted as spent until reconciled)")
+    lines.append(f"total: spent {format_usd(spent)}, held {format_usd(held)} (in flight + orphaned, counted as spent until reconciled)")
     for backend in sorted({account_backend(k) for k in totals} - {BILLED_BACKEND}):
         other_spent, other_held = backend_totals(totals, backend)
-        lines.append(f"{backend} (not billed; capped apart from real spend): spent {_usd(other_spent)}, held {_usd(other_held)}")
+        lines.append(f"{backend} (not billed; capped apart from real spend): spent {format_usd(other_spent)}, held {format_usd(other_held)}")
     if budget_usd is not None:
-        lines.append(f"budget_usd {budget_usd:g}: remaining {_usd(budget_usd - spent - held)}")
+        lines.append(f"budget_usd {budget_usd:g}: remaining {format_usd(budget_usd - spent - held)}")
     for ds, cap in dataset_budgets.items():  # ``ds``: the dataset's account (its backend's spend)
         if cap is not None:
             t = totals.get(ds, {"spent": 0.0, "held": 0.0})
-            lines.append(f"datasets.{ds.partition('@')[0]}.budget_usd {cap:g}: remaining {_usd(cap - t['spent'] - t['held'])}"
+            lines.append(f"datasets.{ds.partition('@')[0]}.budget_usd {cap:g}: remaining {format_usd(cap - t['spent'] - t['held'])}"
                          + (f" ({account_backend(ds)})" if account_backend(ds) != BILLED_BACKEND else ""))
     return "\n".join(lines)
-
-
-def _usd(v: float) -> str:
-    """Dollars to 4 places; a float sum's -0.0000 (settled amounts cancelling) shown as 0."""
-    return f"${round(v, 4) + 0.0:.4f}"
 
 
 def cmd_budget(args: Any) -> int:

@@ -46,7 +46,7 @@ from typing import Any, Mapping
 
 from eagledata.config import DatasetSettings, dataset_settings
 from eagledata.errors import InputError
-from eagledata.generate.budget import BILLED_BACKEND, BudgetLedger, account, ledger_path
+from eagledata.generate.budget import BILLED_BACKEND, BudgetLedger, account, format_usd, ledger_path
 from eagledata.generate.cache import ResponseCache
 from eagledata.generate.carryover import carried_records
 from eagledata.generate.errors import GenerationError
@@ -299,7 +299,7 @@ def shard_jobs_known(token_plan: str | Path, to_request: int) -> bool:
 def format_plan(p: Mapping[str, Any]) -> str:
     """The plan as the table ``eagledata plan`` prints."""
     def usd(v: float | None) -> str:
-        return "-" if v is None else f"${round(v, 4) + 0.0:,.4f}"  # + 0.0: a float residue of -1e-19 is not $-0.0000
+        return "-" if v is None else format_usd(v, ",")
 
     head = f"{'dataset':<16} {'backend':<10} {'samples':>8} {'cached':>8} {'request':>8} {'low':>11} {'expected':>11} {'worst':>11}  prompt estimate"
     lines = [head, "-" * len(head)]

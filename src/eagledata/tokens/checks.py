@@ -324,14 +324,22 @@ def learn_conventions(stats: Iterable[SampleStats]) -> dict[str, dict]:
         if vote is not None:
             c[vote] += 1
             f[vote] += 1
-    out: dict[str, dict] = {}
-    for provider, c in support.items():
-        out[provider] = {"convention": pick_convention(c), "support": dict(c), "by_finish": {}}
-    for (provider, finish), c in sorted(by_finish.items(), key=lambda kv: kv[0][1] != "stop"):  # stop first
+    groups: dict[str, dict[str, Counter]] = {}
+    for (provider, finish), c in by_finish.items():
+        groups.setdefault(provider, {})[finish] = c
+    return {provider: provider_conventions(c, groups.get(provider, {})) for provider, c in support.items()}
+
+
+def provider_conventions(support: Mapping[str, int], by_finish: Mapping[str, Mapping[str, int]]) -> dict[str, Any]:
+    """A provider's learned conventions from its votes: overall (``support``) and per finish reason
+    (``by_finish``; a group without a vote is left out), each group's under :func:`group_convention`
+    (the ``stop`` group first: the others are held to it)."""
+    out: dict[str, Any] = {"convention": pick_convention(+Counter(support)), "support": dict(support), "by_finish": {}}
+    for finish in sorted(by_finish, key=lambda f: f != "stop"):
+        c = +Counter(by_finish[finish])
         if c:
-            groups = out[provider]["by_finish"]
-            groups[finish] = {"convention": group_convention(pick_convention(c), finish, reference_convention(out[provider])),
-                              "support": dict(c)}
+            out["by_finish"][finish] = {"convention": group_convention(pick_convention(c), finish, reference_convention(out)),
+                                        "support": dict(by_finish[finish])}
     return out
 
 

@@ -68,7 +68,7 @@ from eagledata.text.tokenizer import Tokenizer
 from eagledata.tokens.planscan import Entry, RecordScan
 from eagledata.tokens import summaries
 from eagledata.tokens.planfile import plan_keys, read_plan
-from eagledata.tokens.checks import SampleStats, repairable
+from eagledata.tokens.checks import SampleStats
 from eagledata.tokens.policy import resolve_policy
 from eagledata.tokens.responses import ParsedResponse
 from eagledata.tokens.samples import parse_record
@@ -379,7 +379,7 @@ def refuse_stale_parts(loaded: Sequence[tuple[Path, Mapping[str, Any]]], fingerp
 def learn_repairs(learned_path: str | Path, part_paths: Sequence[str | Path], out_path: str | Path,
                   tokenizer: Tokenizer, family: ModelFamily) -> dict[str, Any]:
     """``learned.json`` plus ``repairs``: per provider, the transformations samples prove it applies
-    (searched on the samples needing a repair only, one part at a time; at least
+    (searched on the samples needing a repair, one part at a time; at least
     :data:`~eagledata.tokens.shards.MIN_REPAIR_EVIDENCE` samples each, counted in ``repair_evidence``),
     and ``key_order_kept`` where as many samples' arguments prove the provider keeps key order."""
     learned = json.loads(Path(learned_path).read_text(encoding="utf-8"))
@@ -389,15 +389,8 @@ def learn_repairs(learned_path: str | Path, part_paths: Sequence[str | Path], ou
         df = pl.read_parquet(path, columns=[c for c in PART_SCHEMA if c not in ("input_ids", "segments")])
         stats = part_stats(df)
         judged = judge.first_verdicts(stats)
-        need = [i for i, j in enumerate(judged) if repairable(j.reasons)]
         segs = pl.read_parquet(path, columns=["segments", "finish_reason"])
-        rows = [(i, (segs["segments"][i], segs["finish_reason"][i])) for i in need]
-        # key order evidence: any sample with tool-call arguments
-        for evidence in (judge.repair_behaviours(stats, judged, rows), judge.key_order_evidence(stats, enumerate(segs.iter_rows()))):
-            for provider, counts in evidence.items():
-                into = found.setdefault(provider, {})
-                for t, n in counts.items():
-                    into[t] = into.get(t, 0) + n
+        _add_counts(found, judge.repair_behaviours(stats, judged, enumerate(segs.iter_rows())))
     learned["repairs"] = {p: sorted(ts) for p, ts in proven_repairs(found).items()}
     learned["repair_evidence"] = found
     atomic_write_json(out_path, learned)

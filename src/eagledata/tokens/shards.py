@@ -452,10 +452,7 @@ def _judge(out: Path, shard_files: list[str], stats: list[SampleStats], conventi
     def rows() -> Iterator[tuple[int, tuple]]:
         return enumerate(_shard_rows(out, shard_files, ["segments", "finish_reason"]))
 
-    evidence = judge.repair_behaviours(stats, judged, rows())
-    for provider, counts in judge.key_order_evidence(stats, rows()).items():
-        evidence.setdefault(provider, {}).update(counts)
-    learned = proven_repairs(evidence)
+    learned = proven_repairs(judge.repair_behaviours(stats, judged, rows()))
     judge.apply_repairs(stats, judged, rows(), learned)
     judge.ambiguity_check(stats, judged, rows(), learned)
     return judged
@@ -494,43 +491,37 @@ class Judge:
     def repair_behaviours(self, stats: Sequence[SampleStats], judged: Sequence[Judgement],
                           rows: Iterable[tuple[int, tuple]]) -> dict[str, dict[str, int]]:
         """Round 1: which transformations does each provider apply? Evidence = a sample that exactly
-        one single transformation explains. ``rows``: (sample index, (segments, finish_reason)); only
-        samples needing a repair are searched. Returns per provider the samples evidencing each
-        transformation; the sums over shards are the dataset's (:func:`proven_repairs`)."""
+        one single transformation explains (only samples needing a repair are searched), and
+        :data:`~eagledata.tokens.repairs.KEY_ORDER_KEPT` for a sample whose returned tool-call
+        arguments prove it kept the model's key order (:func:`~eagledata.tokens.repairs.shows_key_order_kept`).
+        ``rows``: (sample index, (segments, finish_reason)) of every sample. Returns per provider the
+        samples evidencing each; the sums over shards are the dataset's (:func:`proven_repairs`)."""
         learned: dict[str, dict[str, int]] = {}
         for i, (segs, finish) in rows:
-            if not repairable(judged[i].reasons):
-                continue
-            st = stats[i]
-            parsed, thinking = _row_parsed(segs, finish), _thinking_of(segs)
-            singles = [t for t in applicable_transforms(parsed)
-                       if search_repairs(parsed, self.tokenizer, self.family, st.billed_completion,
-                                         self._billed_reasoning(st), self._conv(st), thinking,
-                                         only=(t,)).status == "unique"]
-            behaviours = {_transform_family(t) for t in singles}
-            if len(behaviours) == 1:  # stripping is one behaviour: it may hit reasoning and content alike
+            st, parsed = stats[i], None
+            found: tuple[str, ...] = ()
+            if repairable(judged[i].reasons):
+                parsed, thinking = _row_parsed(segs, finish), _thinking_of(segs)
+                singles = [t for t in applicable_transforms(parsed)
+                           if search_repairs(parsed, self.tokenizer, self.family, st.billed_completion,
+                                             self._billed_reasoning(st), self._conv(st), thinking,
+                                             only=(t,)).status == "unique"]
+                behaviours = {_transform_family(t) for t in singles}
+                if len(behaviours) == 1:  # stripping is one behaviour: it may hit reasoning and content alike
+                    found = behaviours.pop()
+            if '"tool_arguments"' in segs and shows_key_order_kept(parsed or _row_parsed(segs, finish)):
+                found += (KEY_ORDER_KEPT,)
+            if found:
                 counts = learned.setdefault(st.provider, {})
-                for t in behaviours.pop():
+                for t in found:
                     counts[t] = counts.get(t, 0) + 1
         return learned
-
-    def key_order_evidence(self, stats: Sequence[SampleStats],
-                           rows: Iterable[tuple[int, tuple]]) -> dict[str, dict[str, int]]:
-        """Per provider, the samples whose returned tool-call arguments prove it kept the model's
-        key order (:func:`~eagledata.tokens.repairs.shows_key_order_kept`), as
-        ``{provider: {KEY_ORDER_KEPT: n}}``: summed over shards and proven like a transformation."""
-        out: dict[str, dict[str, int]] = {}
-        for i, (segs, finish) in rows:
-            if '"tool_arguments"' in segs and shows_key_order_kept(_row_parsed(segs, finish)):
-                counts = out.setdefault(stats[i].provider, {})
-                counts[KEY_ORDER_KEPT] = counts.get(KEY_ORDER_KEPT, 0) + 1
-        return out
 
     def apply_repairs(self, stats: Sequence[SampleStats], judged: Sequence[Judgement],
                       rows: Iterable[tuple[int, tuple]], learned: Mapping[str, Iterable[str]]) -> None:
         """Round 2: each sample needing a repair gets the combinations of its provider's known
-        transformations (``learned``: the union of :meth:`repair_behaviours` over the dataset, and
-        :data:`~eagledata.tokens.repairs.KEY_ORDER_KEPT` where :meth:`key_order_evidence` proves it)."""
+        transformations (``learned``: the union of :meth:`repair_behaviours` over the dataset; its
+        :data:`~eagledata.tokens.repairs.KEY_ORDER_KEPT` is no transformation, it frees respaced key orders)."""
         for i, (segs, finish) in rows:
             st, j = stats[i], judged[i]
             if repairable(j.reasons):
@@ -571,16 +562,9 @@ class Judge:
                     j.repair = dataclasses.replace(res, chosen=None)
                     break
             else:
-                if self._order_unproven(st, _row_parsed(segs, finish), learned):
+                if _order_unproven(st, _row_parsed(segs, finish), KEY_ORDER_KEPT in set(learned.get(st.provider, ()))):
                     j.reasons.append("tool_arguments_order_unproven")
                     j.verdict = verdict_of(j.reasons)
-
-    @staticmethod
-    def _order_unproven(st: SampleStats, parsed, learned: Mapping[str, Iterable[str]]) -> bool:
-        """Compact arguments (a re-serializer's, or the model's) whose key order a sorting re-serializer
-        could have written, from a provider not proven to keep key order: the counts cannot prove it."""
-        return "tool_arguments_compact" in st.codes and \
-            key_order_in_question(parsed, KEY_ORDER_KEPT in set(learned.get(st.provider, ())))
 
     def _repair(self, st: SampleStats, j: Judgement, parsed, thinking: bool, known: tuple[str, ...],
                 order_kept: bool = False) -> None:
@@ -596,8 +580,7 @@ class Judge:
                                    self._conv(st), thinking, only=known + (ARGUMENTS_RESPACED,))
             res = wider if wider.status == "ambiguous" else res
         j.repair = res
-        if res.status == "unique" and (ARGUMENTS_RESPACED in res.transforms or "tool_arguments_compact" in st.codes) \
-                and key_order_in_question(parsed, order_kept):
+        if res.status == "unique" and _order_unproven(st, parsed, order_kept, ARGUMENTS_RESPACED in res.transforms):
             j.repair = dataclasses.replace(res, chosen=None)
             j.reasons.append("tool_arguments_order_unproven")
             j.verdict = verdict_of(j.reasons)
@@ -609,6 +592,13 @@ class Judge:
         elif res.status == "ambiguous":
             j.reasons.append("repair_ambiguous")
             j.verdict = verdict_of(j.reasons)
+
+
+def _order_unproven(st: SampleStats, parsed, order_kept: bool, respaced: bool = False) -> bool:
+    """Re-serialized arguments (``respaced`` by the chosen repair, or compact as they came) whose key
+    order a sorting re-serializer could have written, from a provider not proven to keep key order
+    (``order_kept``): the counts cannot prove it."""
+    return (respaced or "tool_arguments_compact" in st.codes) and key_order_in_question(parsed, order_kept)
 
 
 #: Samples a transformation needs as evidence before a provider is taken to apply it: one sample is no

@@ -23,15 +23,14 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-from eagledata.tokens.checks import (EXCLUDES_EOT, COUNTS_EOT, REASONS, SampleStats, count_vote, group_convention,
-                                     pick_convention, convention_for, reference_convention)
+from eagledata.tokens.checks import (EXCLUDES_EOT, COUNTS_EOT, REASONS, SampleStats, count_vote, convention_for,
+                                     provider_conventions)
 from eagledata.tokens.learning import MIN_VARIANT_SAMPLES, RENDERINGS, diff_under, key_order_learned, variant_name
 
 # 2: a sample whose end may be a trimmed stop string casts no count-convention vote; 3: the tools in the
 # request's key order (a rendering, and the key-order votes), and no vote from a tool call whose
 # arguments came as compact JSON
 SUMMARY_VERSION = 3
-_RENDERINGS = RENDERINGS
 
 
 def _sep(*parts: Any) -> str:
@@ -68,9 +67,9 @@ def summarize(stats: Iterable[SampleStats]) -> dict[str, Any]:
                        int(s.completion_diff(EXCLUDES_EOT) == 0))
             _add_reasoning(reasoning, key, [1, int(d > 1), int(d < 0), d, d])
         if s.prompt_diff is not None:
-            p = prompts.setdefault(_sep(s.provider, int(s.has_tools)), {"n": 0, **{r: [] for r in _RENDERINGS}})
+            p = prompts.setdefault(_sep(s.provider, int(s.has_tools)), {"n": 0, **{r: [] for r in RENDERINGS}})
             p["n"] += 1
-            for r in _RENDERINGS:
+            for r in RENDERINGS:
                 _add_diffs(p[r], [diff_under(s, r)])
             order = s.key_order_vote()
             if order is not None:
@@ -113,34 +112,26 @@ def merge(summaries: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
         for key, v in s["reasoning"].items():
             _add_reasoning(out["reasoning"], key, v)
         for key, p in s["prompts"].items():
-            q = out["prompts"].setdefault(key, {"n": 0, **{r: [] for r in _RENDERINGS}})
+            q = out["prompts"].setdefault(key, {"n": 0, **{r: [] for r in RENDERINGS}})
             q["n"] += p["n"]
-            for r in _RENDERINGS:
+            for r in RENDERINGS:
                 _add_diffs(q[r], p[r])
     return out
 
 
 def learn(summary: Mapping[str, Any]) -> tuple[dict[str, dict], dict[str, dict], dict[str, dict]]:
     """(conventions, reasoning reliability, prompt variants) of a merged summary."""
-    conventions: dict[str, dict] = {}
-    for provider, c in summary["conventions"].items():
-        conventions[provider] = {"convention": _pick_counts(c), "support": dict(c), "by_finish": {}}
-    for key, c in sorted(summary["by_finish"].items(), key=lambda kv: _unsep(kv[0])[1] != "stop"):  # stop first
+    groups: dict[str, dict[str, Mapping[str, int]]] = {}
+    for key, c in summary["by_finish"].items():
         provider, finish = _unsep(key)
-        if any(c.values()):
-            conventions[provider]["by_finish"][finish] = {
-                "convention": group_convention(_pick_counts(c), finish, reference_convention(conventions[provider])),
-                "support": dict(c)}
+        groups.setdefault(provider, {})[finish] = c
+    conventions = {provider: provider_conventions(c, groups.get(provider, {}))
+                   for provider, c in summary["conventions"].items()}
     variants = _variants(summary["prompts"])
     for provider, votes in summary["key_order"].items():
         if any(votes.values()):
             variants[provider]["tool_key_order"] = key_order_learned(votes, variants.get(provider))
     return conventions, _reliability(summary["reasoning"], conventions), variants
-
-
-def _pick_counts(c: Mapping[str, int]) -> str:
-    from collections import Counter
-    return pick_convention(Counter({k: n for k, n in c.items() if n}))
 
 
 def _reliability(groups: Mapping[str, list], conventions: Mapping[str, Mapping]) -> dict[str, dict[str, Any]]:
@@ -176,7 +167,7 @@ def _one_variant(parts: list[tuple[bool, Mapping[str, Any]]]) -> dict[str, Any]:
     n = sum(p["n"] for _, p in parts)
     with_tools = sum(p["n"] for t, p in parts if t)
     base = {"samples": n, "with_tools": with_tools, "without_tools": n - with_tools}
-    for rendering in _RENDERINGS:
+    for rendering in RENDERINGS:
         diffs: list = []
         for _, p in parts:
             _add_diffs(diffs, p[rendering])
