@@ -9,6 +9,8 @@ rule generate:
     input:
         prompts=generate_inputs.prompts,
         tokenizer=generate_tokenizer,
+        # where `eagledata retry` forgot final errors: its note, newer than the outputs (else nothing)
+        retried=generate_inputs.retried,
     output:
         responses=f"{RESULTS}/{{dataset}}/responses.jsonl",
         summary=f"{RESULTS}/{{dataset}}/generation_summary.json",

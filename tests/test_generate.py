@@ -309,7 +309,7 @@ def test_401_402_stop_the_job_and_keep_the_cache(setup, tmp_path, status):
     sim, cfg = setup(faults={4: str(status)}, concurrency=1)
     with pytest.raises(JobStopped, match=str(status)) as exc:
         generate_dataset(cfg, "d", tmp_path / "out.jsonl", log=quiet)
-    assert "3 responses are cached" in str(exc.value)
+    assert "3 of its 12 samples are cached" in str(exc.value)
     assert sim.requests_total == 4
     assert len(read_jsonl(tmp_path / "cache" / "d" / "responses.jsonl")) == 3
 

@@ -214,5 +214,5 @@ def test_a_stopped_job_counts_the_answers_cached_not_the_spellings(sim, tmp_path
     write_prompts(tmp_path / "prompts.jsonl", 4, tools_every=0)  # one prompt more, which the budget refuses
     cfg2 = with_generation(cfg, temperature=1)
     cfg2["budget_usd"] = 1e-9
-    with pytest.raises(JobStopped, match="3 responses are cached"):
+    with pytest.raises(JobStopped, match="3 of its 4 samples are cached"):
         generate_dataset(cfg2, "d", out, log=quiet)

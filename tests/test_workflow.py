@@ -394,3 +394,20 @@ def test_a_policy_change_reaches_the_trainer_files_in_one_run(demo_run, tmp_path
     snakemake(work, "all")
     assert exported() == before
     assert planned_jobs(work) == {}
+
+
+def test_a_retry_note_reruns_the_generate_job_of_its_dataset_only(demo_run, tmp_path):
+    """`eagledata retry` ends with a note beside the dataset's cache (tests/test_retry_final.py): the
+    generate rule declares it, so the dataset's job reruns (and requests the final errors forgotten),
+    the other datasets' do not."""
+    from eagledata.config import load_config
+    from eagledata.generate.retryfinal import retry_note_path
+
+    work = copy_run(demo_run, tmp_path / "w")
+    config = load_config(work / "config/config.yaml")
+    name = next(iter(config["datasets"]))
+    assert planned_jobs(work) == {}
+    note = retry_note_path(work / config["cache_dir"], name)
+    note.write_text(json.dumps({"by": "eagledata retry", "forgotten": {"404": 1}}))
+    out = snakemake(work, "-n").stdout
+    assert planned_jobs(work).get("generate") == 1 and f"dataset={name}" in out.split("rule generate:")[1][:800], out[-3000:]

@@ -132,6 +132,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="orphan the reservations in flight of jobs on HOST (gone with its machine: its pids cannot "
                          "be checked from here); first, before --reconcile and --release-orphans")
     bu.set_defaults(func=_lazy("eagledata.generate.budgetcli", "cmd_budget"))
+    rt = sub.add_parser("retry", help="forget the cached final errors (4xx) so that the next run requests them again")
+    rt.add_argument("datasets", nargs="*", help="default: every generated dataset of the config")
+    rt.add_argument("--config", default="config/config.yaml")
+    rt.add_argument("--status", type=int, action="append", metavar="N",
+                    help="only final errors of this HTTP status (repeatable; default: all)")
+    rt.add_argument("--dry-run", action="store_true", help="count them, change nothing")
+    rt.set_defaults(func=_lazy("eagledata.generate.retryfinal", "cmd_retry"))
     for name, module, help_ in PASSTHROUGH:
         sp = sub.add_parser(name, help=help_, add_help=False)
         sp.add_argument("rest", nargs=argparse.REMAINDER)

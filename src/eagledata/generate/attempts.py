@@ -45,6 +45,10 @@ SSE_ID = re.compile(rb'data:\s*\{[^\n]*?"id"\s*:\s*"([^"]+)"')
 JSON_ENCODER = json.JSONEncoder(ensure_ascii=False)
 #: How often a request claimed by another dataset's job is tried again.
 CLAIM_POLL_S = 0.05
+#: A job whose first answers are this many final errors alike (one status, one message) stops: a
+#: setting rather than its prompts is wrong (a model id the provider does not know, an endpoint no
+#: provider serves under the account's data policy), and every other prompt would get that answer too.
+ALIKE_FINAL_ERRORS_STOP = 5
 
 
 def ledger_write_error(path: Path, exc: BaseException) -> str:
@@ -119,6 +123,8 @@ class GenerationJob:
         self.tasks: list[asyncio.Task] = []
         self.headers = {**cs.headers, "Content-Type": "application/json"}
         self.claims: Any = None  # RequestClaims (eagledata.generate.carryover) of a dedup dataset
+        self.answers_ok = 0
+        self.alike_finals: tuple[tuple[int | None, str], int] = ((None, ""), 0)  # the first answers' final error, how many
 
     # -- control --------------------------------------------------------------------------------
     def stop(self, reason: str) -> None:
@@ -322,7 +328,23 @@ class GenerationJob:
             self.progress.final_errors += 1
             self.final_errors.append({"id": item.id, "status": out.status, "error": out.problem})
             self.log(f"{item.id}: HTTP {out.status} is final (not retried): {out.problem}")
+            self.stop_if_alike(out)
+        self.answers_ok += out.kind == "ok"
         self.progress.update()
+
+    def stop_if_alike(self, out: Outcome) -> None:
+        """Stop the job when its first :data:`ALIKE_FINAL_ERRORS_STOP` answers are the same final error
+        (no answer came before them): the message says how to request them again once fixed."""
+        if self.answers_ok:
+            return
+        seen, n = self.alike_finals
+        n = n + 1 if seen == (out.status, out.problem) else 1
+        self.alike_finals = ((out.status, out.problem), n)
+        if n == ALIKE_FINAL_ERRORS_STOP:
+            self.stop(f"the first {n} answers were all the same final error ({out.problem}): a setting rather than "
+                      "the prompts is likely wrong (the model id, the provider routing, the account's data policy at "
+                      f"the provider). Fix it, then request them again: eagledata retry {self.work.settings.name} "
+                      f"--status {out.status}")
 
     async def back_off(self, item: WorkItem, attempt: int, out: Outcome) -> None:
         """Wait before the next attempt (cut short when the job halts)."""

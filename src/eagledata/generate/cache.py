@@ -1,5 +1,5 @@
 """The response cache: ``{cache_dir}/{dataset}/responses.jsonl``, one line per finished request
-(success or final error), appended at once so that even ``kill -9`` loses no response received,
+(success or final error; and a retry marker per final error ``eagledata retry`` forgot), appended at once so that even ``kill -9`` loses no response received,
 and deliberately not a Snakemake output (so the paid answers outlive any rerun of the rule).
 
 Own code because no library gives these guarantees together: one ``write`` per record, ``fsync`` at
@@ -27,6 +27,9 @@ from eagledata.io import atomic_path
 Log = Callable[[str], None]
 
 FSYNC_INTERVAL_S = 0.5
+#: The field of a retry marker: a line that forgets the final error cached before it for its key
+#: (``eagledata retry``), so that the next job requests it again. The file stays append-only.
+RETRY_FIELD = "retry"
 
 
 class FsyncFailed(EagledataError, OSError):
@@ -93,6 +96,11 @@ class ResponseCache:
 
     def _index_line(self, rec: Mapping[str, Any], offset: int, length: int) -> None:
         key = rec["cache_key"]
+        if RETRY_FIELD in rec:  # a final error forgotten (:meth:`forget`); an answer never is
+            if key in self.not_answered:
+                self.index.pop(key, None)
+                self.not_answered.discard(key)
+            return
         self.index[key] = (offset, length)
         if rec.get("status") == 200:
             self.not_answered.discard(key)
@@ -204,6 +212,17 @@ class ResponseCache:
         if key in self.index and record.get("status") == 200:
             self.not_answered.discard(key)
             self._keep_spelling(record)
+
+    def forget(self, key: str, note: Mapping[str, Any]) -> None:
+        """Append a retry marker for ``key`` (``{"cache_key": key, "retry": note}``) and drop ``key``
+        from the index, so that the next job requests it again. Only a final error is forgotten: a key
+        whose record is an answer (status 200), or not in this cache, raises ``ValueError``. Raises
+        ``OSError`` when the marker cannot be written (the record stays as it was)."""
+        if key not in self.index or key not in self.not_answered or key in self.aliases:
+            raise ValueError(f"{self.path}: {key} is not a final error of this cache")
+        self._append(key, (json.dumps({"cache_key": key, RETRY_FIELD: dict(note)}) + "\n").encode("utf-8"))
+        self.index.pop(key)
+        self.not_answered.discard(key)
 
     def _check_sync(self) -> None:
         """Account for the finished (else: wait for the) background ``fsync``: the records it

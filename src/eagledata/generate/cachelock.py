@@ -106,6 +106,18 @@ def _try_lock(fd: int) -> bool:
     return True
 
 
+def try_writer_lock(cache_dir: str | Path, dataset: str) -> CacheWriterLock | None:
+    """The dataset's cache lock when no job holds it now, else ``None`` (no wait): for a command that
+    writes a cache beside the jobs (``eagledata retry``)."""
+    path = lock_path(cache_dir, dataset)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    if not _try_lock(fd):
+        os.close(fd)
+        return None
+    return CacheWriterLock(path, fd)
+
+
 async def acquire_writer_lock(cache_dir: str | Path, dataset: str, wait_s: float,
                               log: Callable[[str], None]) -> CacheWriterLock:
     """Take the dataset's cache lock, waiting up to ``wait_s`` while another job holds it (a

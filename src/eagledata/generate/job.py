@@ -462,12 +462,14 @@ def raise_if_unfinished(run: Run) -> None:
     if job is None:
         return
     assert cache is not None
+    # this dataset's samples answered (the cache may hold more: answers to requests since changed)
+    cached = f"{sum(1 for it in run.work.items if it.cache_key in cache.index)} of its {len(run.work.items)} samples"
     if job.interrupt is not None:
         raise Interrupted(f"generate {dataset} interrupted ({job.interrupt}): {len(job.finished)} response(s) received "
-                          f"this run; {cache.records} cached in {cache.path} (consistent); a rerun requests only "
+                          f"this run; {cached} cached in {cache.path} (consistent); a rerun requests only "
                           "the rest.", job.signum)
     if job.stop_reason is not None:
-        raise JobStopped(f"generate {dataset} stopped: {job.stop_reason}. {cache.records} responses are cached in "
+        raise JobStopped(f"generate {dataset} stopped: {job.stop_reason}. {cached} are cached in "
                          f"{cache.path} and will not be requested again; fix the cause and rerun.")
     if job.failures:
         shown = "\n".join(f"  {i}: {p}" for i, p in list(job.failures.items())[:20])

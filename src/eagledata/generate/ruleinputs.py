@@ -7,6 +7,7 @@ from typing import Any, Callable, Mapping
 
 from eagledata.config import DatasetSettings, dataset_settings
 from eagledata.generate.requests import request_params, tokenizer_shapes_responses
+from eagledata.generate.retryfinal import retry_note_path
 
 
 class GenerateRuleInputs:
@@ -35,6 +36,13 @@ class GenerateRuleInputs:
     def request(self, wildcards: Any) -> dict[str, Any]:
         """Output-shaping settings (see :func:`request_params`)."""
         return request_params(self.settings(wildcards), self.config)
+
+    def retried(self, wildcards: Any) -> list[str]:
+        """The dataset's retry note where ``eagledata retry`` wrote one (:mod:`eagledata.generate.retryfinal`):
+        written after the job's last run, it is newer than the outputs, so the job reruns and requests
+        the final errors the command forgot."""
+        path = retry_note_path(self.config["cache_dir"], wildcards.dataset)
+        return [str(path)] if path.exists() else []
 
     def imported(self, wildcards: Any) -> str:
         return self.settings(wildcards).responses

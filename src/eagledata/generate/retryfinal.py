@@ -1,0 +1,126 @@
+"""``eagledata retry``: request final errors again.
+
+A final error (a 4xx other than 401, 402, 408 and 429: say 404 "No endpoints found matching your data
+policy", or 400 for a model id the provider did not know yet) is cached like an answer, so a rerun
+does not send its request again: the same request would get the same answer. When the cause was a
+setting outside the request (the account's data policy, a provider's outage answered with a 4xx, a
+model not yet released), the user fixes it and runs ``eagledata retry``: every final error of the
+chosen datasets (of the chosen statuses) is forgotten, and the next ``snakemake`` run requests them
+again, and only them.
+
+Nothing is removed from the cache (it stays append-only): a retry marker is appended per error
+(:meth:`~eagledata.generate.cache.ResponseCache.forget`; an answer, status 200, is never forgotten),
+under the dataset's cache writer lock (a generate job writing that cache now makes the command refuse
+that dataset, changing nothing), and a retry note, ``{cache_dir}/{dataset}/retry.json``, is written
+last. The generate rule declares the note as an input where it exists
+(:meth:`~eagledata.generate.ruleinputs.GenerateRuleInputs.retried`): newer than the job's outputs, it
+makes Snakemake rerun the job (``snakemake -n`` shows it), which sends the forgotten requests (a
+final error costs nothing; they are counted in ``eagledata plan`` again).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from eagledata.generate.cache import ResponseCache
+from eagledata.generate.cachelock import describe_holder, lock_path, try_writer_lock
+from eagledata.generate.errors import GenerationError
+from eagledata.io import atomic_write_json
+
+RETRY_NOTE = "retry.json"
+
+
+def retry_note_path(cache_dir: str | Path, dataset: str) -> Path:
+    """Where :func:`retry_final_errors` writes a dataset's retry note."""
+    return Path(cache_dir) / dataset / RETRY_NOTE
+
+
+def final_errors(cache: ResponseCache, statuses: Iterable[int] | None = None) -> dict[str, int]:
+    """The keys of ``cache`` (loaded) whose record is a final error, of ``statuses`` when given ->
+    the record's status."""
+    wanted = set(statuses) if statuses else None
+    out: dict[str, int] = {}
+    if not cache.not_answered:
+        return out
+    with open(cache.path, "rb") as fh:
+        for key in sorted(cache.not_answered):
+            if key in cache.index and key not in cache.aliases:
+                status = cache.get(key, fh).get("status")
+                if wanted is None or status in wanted:
+                    out[key] = status
+    return out
+
+
+def retry_final_errors(cache_dir: str | Path, dataset: str, statuses: Iterable[int] | None = None,
+                       dry_run: bool = False) -> dict[str, int]:
+    """Forget the final errors of ``dataset``'s cache (of ``statuses`` when given) and write its retry
+    note; returns how many per status. ``dry_run``: count them, change nothing. Raises
+    :class:`RetryRefused` while a job holds the dataset's cache lock (nothing is changed then)."""
+    path = Path(cache_dir) / dataset / "responses.jsonl"
+    if not path.exists():
+        return {}
+    lock = try_writer_lock(cache_dir, dataset)
+    if lock is None:
+        raise RetryRefused(f"dataset {dataset!r}: a generate job is writing its cache now "
+                           f"({describe_holder(lock_path(cache_dir, dataset))}); run eagledata retry when it has finished")
+    with lock:
+        cache = ResponseCache(path)
+        cache.load()
+        found = final_errors(cache, statuses)
+        counts = dict(sorted(Counter(str(s) for s in found.values()).items()))
+        if dry_run or not found:
+            return counts
+        note = {"at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "by": "eagledata retry"}
+        try:
+            for key, status in found.items():
+                cache.forget(key, {**note, "status": status})
+        finally:
+            cache.close()
+        atomic_write_json(retry_note_path(cache_dir, dataset), {**note, "forgotten": counts})
+    return counts
+
+
+class RetryRefused(GenerationError):
+    """A dataset's cache is being written by a generate job: nothing was changed."""
+
+
+def cmd_retry(args: Any) -> int:
+    """``eagledata retry [DATASET...] [--status N ...] [--dry-run]``: see the module docstring."""
+    from eagledata.config import ConfigError, dataset_settings, load_config
+
+    try:
+        config = load_config(args.config)
+        settings = {d: dataset_settings(config, d) for d in (args.datasets or config["datasets"])}
+    except (ConfigError, OSError) as exc:
+        print(f"eagledata retry: {exc}", file=sys.stderr)
+        return 2
+    imported = [d for d, s in settings.items() if s.imported]
+    if args.datasets and imported:
+        print(f"eagledata retry: {', '.join(imported)}: imported, not generated: nothing to request", file=sys.stderr)
+        return 2
+    refused = 0
+    for dataset in (d for d, s in settings.items() if not s.imported):
+        try:
+            counts = retry_final_errors(config["cache_dir"], dataset, args.status, args.dry_run)
+        except RetryRefused as exc:
+            print(f"eagledata retry: {exc}", file=sys.stderr)
+            refused += 1
+            continue
+        print(describe(dataset, counts, args.dry_run))
+    return 1 if refused else 0
+
+
+def describe(dataset: str, counts: Mapping[str, int], dry_run: bool) -> str:
+    """One line per dataset: how many final errors are (or would be) requested again, by status."""
+    n = sum(counts.values())
+    if not n:
+        return f"{dataset}: no final error cached"
+    by = ", ".join(f"HTTP {s}: {c}" for s, c in counts.items())
+    if dry_run:
+        return f"{dataset}: {n} final error(s) would be requested again ({by})"
+    return (f"{dataset}: {n} final error(s) forgotten ({by}); the next snakemake run requests them again "
+            f"(snakemake -n shows the generate job of {dataset})")

@@ -1,0 +1,139 @@
+"""Final errors requested again (``eagledata retry``), and a job whose first answers are all the same
+final error stopping: against the stand-in on loopback, real caches and a real Snakemake dry run."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from eagledata.generate.cache import ResponseCache
+from eagledata.generate.cachelock import try_writer_lock
+from eagledata.generate.errors import JobStopped
+from eagledata.generate.job import generate_dataset
+from eagledata.generate.retryfinal import RetryRefused, retry_final_errors, retry_note_path
+from eagledata.standin.faults import Fault
+from eagledata.standin.server import SimulatorServer
+
+from gen_helpers import API_KEY, make_config, quiet, read_jsonl, write_prompts
+
+
+@pytest.fixture
+def setup(tmp_path, k25, monkeypatch):
+    """A stand-in on loopback (faults as given), 12 prompts, and a config sending to it."""
+    monkeypatch.setenv("OPENROUTER_API_KEY", API_KEY)
+    tok, fam = k25
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 12)
+    servers: list[SimulatorServer] = []
+
+    def make(faults=None, **generation):
+        sim = SimulatorServer(tok, fam, seed=2, faults=faults).start()
+        servers.append(sim)
+        return sim, make_config(tmp_path, prompts, str(tok.source), api_base=sim.base_url, **generation)
+
+    yield make
+    for s in servers:
+        s.stop()
+
+
+def cache_of(cfg) -> ResponseCache:
+    cache = ResponseCache(f"{cfg['cache_dir']}/d/responses.jsonl")
+    cache.load()
+    return cache
+
+
+def test_retried_final_errors_are_requested_again_and_only_they(setup, tmp_path):
+    sim, cfg = setup(faults={2: "404", 5: "403", 7: "404"}, concurrency=1)
+    out = tmp_path / "out.jsonl"
+    generate_dataset(cfg, "d", out, log=quiet)
+    assert sorted(r["status"] for r in read_jsonl(out) if r["status"] != 200) == [403, 404, 404]
+    lines = (tmp_path / "cache/d/responses.jsonl").read_text().splitlines()
+
+    assert retry_final_errors(cfg["cache_dir"], "d", [404], dry_run=True) == {"404": 2}
+    assert (tmp_path / "cache/d/responses.jsonl").read_text().splitlines() == lines  # a dry run changes nothing
+    assert not retry_note_path(cfg["cache_dir"], "d").exists()
+    assert retry_final_errors(cfg["cache_dir"], "d", [404]) == {"404": 2}
+    after = (tmp_path / "cache/d/responses.jsonl").read_text().splitlines()
+    assert after[:len(lines)] == lines and len(after) == len(lines) + 2  # append-only: the errors are still there
+    assert json.loads(retry_note_path(cfg["cache_dir"], "d").read_text())["forgotten"] == {"404": 2}
+
+    before = sim.requests_total
+    summary = generate_dataset(cfg, "d", out, log=quiet)
+    assert sim.requests_total - before == 2 and summary["requested"] == 2
+    assert sorted(r["status"] for r in read_jsonl(out)) == [200] * 11 + [403]  # the 403 was not asked for
+    assert retry_final_errors(cfg["cache_dir"], "d", [404]) == {}
+    before = sim.requests_total
+    generate_dataset(cfg, "d", out, log=quiet)
+    assert sim.requests_total == before  # answered now: cached, never forgotten
+
+
+def test_an_answer_is_never_forgotten(setup, tmp_path):
+    sim, cfg = setup(concurrency=2)
+    generate_dataset(cfg, "d", tmp_path / "out.jsonl", log=quiet)
+    cache = cache_of(cfg)
+    key = next(iter(cache.index))
+    with pytest.raises(ValueError, match="not a final error"):
+        cache.forget(key, {"by": "test"})
+    # a retry marker written by hand after an answer does not drop it
+    with open(cache.path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps({"cache_key": key, "retry": {"by": "hand"}}) + "\n")
+    assert key in cache_of(cfg).index
+    before = sim.requests_total
+    generate_dataset(cfg, "d", tmp_path / "out.jsonl", log=quiet)
+    assert sim.requests_total == before
+
+
+def test_retry_is_refused_while_a_job_writes_the_cache(setup, tmp_path):
+    sim, cfg = setup(faults={1: "404"}, concurrency=1)
+    generate_dataset(cfg, "d", tmp_path / "out.jsonl", log=quiet)
+    data = (tmp_path / "cache/d/responses.jsonl").read_bytes()
+    with try_writer_lock(cfg["cache_dir"], "d") as held:
+        assert held is not None and try_writer_lock(cfg["cache_dir"], "d") is None
+        with pytest.raises(RetryRefused, match="a generate job is writing its cache"):
+            retry_final_errors(cfg["cache_dir"], "d")
+    assert (tmp_path / "cache/d/responses.jsonl").read_bytes() == data
+    assert retry_final_errors(cfg["cache_dir"], "d") == {"404": 1}
+
+
+def test_the_first_answers_all_the_same_final_error_stop_the_job(setup, tmp_path):
+    sim, cfg = setup(faults=lambda n, body: "404", concurrency=1)
+    with pytest.raises(JobStopped, match=r"the first 5 answers were all the same final error \(HTTP 404") as exc:
+        generate_dataset(cfg, "d", tmp_path / "out.jsonl", log=quiet)
+    assert "eagledata retry d --status 404" in str(exc.value) and "5 of its 12 samples are cached" in str(exc.value)
+    assert sim.requests_total == 5  # not 12
+    # final errors that differ (a prompt too long, each its own count) are the prompts' own: no stop
+    sim, cfg = setup(faults=lambda n, body: Fault.http(400, message=f"prompt is {1000 + n} tokens, too long"),
+                     concurrency=1)
+    cfg["cache_dir"] = str(tmp_path / "cache2")
+    assert generate_dataset(cfg, "d", tmp_path / "out2.jsonl", log=quiet)["final_errors"] == 12
+    # nor the same final error after an answer
+    sim, cfg = setup(faults=lambda n, body: "404" if n > 1 else None, concurrency=1)
+    cfg["cache_dir"] = str(tmp_path / "cache3")
+    assert generate_dataset(cfg, "d", tmp_path / "out3.jsonl", log=quiet)["final_errors"] == 11
+
+
+def test_the_cli_counts_forgets_and_the_dry_run_shows_the_generate_job(setup, tmp_path):
+    sim, cfg = setup(faults={3: "404"}, concurrency=1)
+    generate_dataset(cfg, "d", tmp_path / "out.jsonl", log=quiet)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "eagledata.cli", "retry", "--config", str(path), *args],
+                              capture_output=True, text=True)
+
+    dry = cli("--dry-run")
+    assert dry.returncode == 0 and "d: 1 final error(s) would be requested again (HTTP 404: 1)" in dry.stdout
+    assert cli("d", "--status", "400").stdout.strip() == "d: no final error cached"
+    done = cli("d")
+    assert done.returncode == 0 and "d: 1 final error(s) forgotten (HTTP 404: 1)" in done.stdout
+    assert cli("nope").returncode == 2
+    # the generate rule declares the note: written after the outputs, it reruns the job
+    from eagledata.generate.ruleinputs import GenerateRuleInputs
+
+    inputs = GenerateRuleInputs(cfg, lambda w: [])
+    assert inputs.retried(type("W", (), {"dataset": "d"})) == [str(retry_note_path(cfg["cache_dir"], "d"))]
+    retry_note_path(cfg["cache_dir"], "d").unlink()
+    assert inputs.retried(type("W", (), {"dataset": "d"})) == []
