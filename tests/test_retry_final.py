@@ -137,3 +137,17 @@ def test_the_cli_counts_forgets_and_the_dry_run_shows_the_generate_job(setup, tm
     assert inputs.retried(type("W", (), {"dataset": "d"})) == [str(retry_note_path(cfg["cache_dir"], "d"))]
     retry_note_path(cfg["cache_dir"], "d").unlink()
     assert inputs.retried(type("W", (), {"dataset": "d"})) == []
+
+
+def test_the_plan_counts_the_cached_final_errors_and_names_the_command(setup, tmp_path):
+    from eagledata.generate.plan import format_plan, plan
+
+    sim, cfg = setup(faults={2: "404", 4: "404", 6: "403"}, concurrency=1)
+    generate_dataset(cfg, "d", tmp_path / "out.jsonl", log=quiet)
+    p = plan(cfg)
+    row = p["datasets"][0]
+    assert row["cached"] == 12 and row["to_request"] == 0 and row["final_errors"] == {"403": 1, "404": 2}
+    assert "note: d: 3 of the cached are final errors (HTTP 403: 1, HTTP 404: 2)" in format_plan(p)
+    retry_final_errors(cfg["cache_dir"], "d", [404])
+    row = plan(cfg)["datasets"][0]
+    assert row["cached"] == 10 and row["to_request"] == 2 and row["final_errors"] == {"403": 1}

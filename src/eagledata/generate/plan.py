@@ -40,9 +40,10 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from eagledata.config import DatasetSettings, dataset_settings
 from eagledata.errors import InputError
@@ -55,6 +56,7 @@ from eagledata.generate.prompts import canonical_json
 from eagledata.generate.dedup import dataset_option
 from eagledata.generate.requests import dataset_work
 from eagledata.generate.respell import Respeller
+from eagledata.generate.retryfinal import final_errors
 from eagledata.generate.tokenizers import cached_model_tokenizer, tokenizer_problem, workflow_built
 
 
@@ -188,6 +190,7 @@ def plan_dataset(config: Mapping[str, Any], name: str, estimator: PromptEstimato
     mean = _mean_completion_tokens(cache.path, index) if index and n else None
     return {"dataset": name, "backend": s.backend, "model": s.api_model, "samples": samples,
             "cached": cached, "to_request": n, **({"turns": turns} if turns else {}),
+            "final_errors": cached_final_errors(cache, work.items),
             "duplicates": len(work.duplicates),
             "prompt_tokens": prompt_est, "max_tokens": max_tokens,
             "price_per_mtok": {"prompt": price.prompt, "completion": price.completion, "source": price.source},
@@ -195,6 +198,16 @@ def plan_dataset(config: Mapping[str, Any], name: str, estimator: PromptEstimato
             "cost_worst": price.cost(prompt_upper, n * max_tokens), "mean_completion_tokens": mean,
             "prompt_estimate": estimator.method,
             "dataset_budget_usd": (config["datasets"][name].get("budget_usd"))}
+
+
+def cached_final_errors(cache: ResponseCache, items: Iterable[Any]) -> dict[str, int]:
+    """HTTP status -> how many of ``items`` have a final error cached (counted as cached: not requested
+    again until ``eagledata retry`` forgets them)."""
+    keys = {it.cache_key for it in items} & cache.not_answered
+    if not keys:
+        return {}
+    statuses = final_errors(cache)
+    return dict(sorted(Counter(str(statuses[k]) for k in keys if k in statuses).items()))
 
 
 def _turns_plan(work: Any, cache: ResponseCache, estimator: PromptEstimator,
@@ -330,6 +343,10 @@ def format_plan(p: Mapping[str, Any]) -> str:
                          f"{r['turns']['conversations']} conversation(s); worst case: {r['turns']['worst_case']}")
         if r.get("duplicates"):
             lines.append(f"note: {r['dataset']}: {r['duplicates']} duplicate prompt(s) left out (dedup)")
+        if r.get("final_errors"):
+            by = ", ".join(f"HTTP {k}: {v}" for k, v in r["final_errors"].items())
+            lines.append(f"note: {r['dataset']}: {sum(r['final_errors'].values())} of the cached are final errors ({by}), "
+                         f"not requested again; once their cause is fixed, `eagledata retry {r['dataset']}` requests them again")
     for r in p["datasets"]:
         if r.get("shard_jobs_known") is False:
             first = "its requests are answered and " if r.get("to_request") else ""
