@@ -49,6 +49,8 @@ def test_parallel_jobs_of_two_model_keys_with_the_same_requests_pay_each_request
     summaries = {d: json.loads((work / f"results/{d}/generation_summary.json").read_text()) for d in "ab"}
     assert paid == n, (paid, {d: (s["http_requests"], s["carried_over"]) for d, s in summaries.items()})
     assert sum(s["http_requests"] for s in summaries.values()) == n
+    # "requested": what a job answered itself, not what it carried from the other job meanwhile
+    assert sum(s["requested"] for s in summaries.values()) == n, {d: s["requested"] for d, s in summaries.items()}
     assert sum(sum(s["carried_over"].values()) for s in summaries.values()) == n
     out = {d: [json.loads(line) for line in (work / f"results/{d}/responses.jsonl").read_text().splitlines()] for d in "ab"}
     assert [r["id"] for r in out["a"]] == [r["id"] for r in out["b"]] and len(out["a"]) == n

@@ -424,7 +424,9 @@ def note_carried_while_running(run: Run) -> None:
 
 def summarize(run: Run, output_path: str | Path, elapsed: float) -> dict[str, Any]:
     """The job's summary (``generation_summary.json``)."""
-    job, s, n_todo = run.job, run.settings, len(run.todo)
+    job, s = run.job, run.settings
+    # the samples this job had to answer itself: not those another dataset's job answered meanwhile
+    n_todo = len(run.todo) - (sum(run.claims.carried.values()) if run.claims is not None else 0)
     assert run.cache is not None
     summary: dict[str, Any] = {"dataset": run.dataset, "backend": s.backend, "model": s.api_model,
                                "samples": len(run.work.items), "cached": run.n_cached, "requested": n_todo,
