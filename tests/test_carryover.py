@@ -350,3 +350,29 @@ def test_a_cache_replaced_under_the_tail_being_watched_is_read_again_from_its_st
                        + json.dumps({"cache_key": K2, "status": 200, "response_raw": "y" * 600}) + "\n").encode())
     assert claims.answer(K1)[1]["response_raw"] == "new"
     assert claims.answer(K2)[1]["response_raw"] == "y" * 600
+
+
+def test_a_dedup_dataset_waits_for_the_requests_a_dedup_off_job_is_sending_and_carries_them(tmp_path, k25, monkeypatch):
+    """A ``dedup: false`` dataset pays for its own answers, but claims what it sends: a dedup dataset
+    generated at once (another process) waits for those answers and carries them over (before, it sent
+    all 12 again: 24 paid)."""
+    import time
+
+    from gen_helpers import generate_cmd, spawn
+
+    monkeypatch.setenv("OPENROUTER_API_KEY", API_KEY)
+    tok, fam = k25
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 12)
+    with SimulatorServer(tok, fam, seed=2, latency_ms=2500) as sim:
+        cfg = make_config(tmp_path, prompts, str(tok.source), api_base=sim.base_url, concurrency=12)
+        own = spawn(generate_cmd(renamed(cfg, "d", "b", dedup=False), tmp_path, "b", name="cfg-b"), tmp_path / "b.log")
+        t0 = time.monotonic()
+        while sim.requests_total < 12:  # every request of b in flight
+            assert own.poll() is None and time.monotonic() - t0 < 60, (tmp_path / "b.log").read_text()[-2000:]
+            time.sleep(0.01)
+        s = generate_dataset(renamed(cfg, "d", "a"), "a", tmp_path / "results/a/responses.jsonl", log=quiet)
+        assert own.wait(60) == 0, (tmp_path / "b.log").read_text()[-2000:]
+        assert sim.requests_total == 12
+    assert s["carried_over"] == {"b": 12} and s["http_requests"] == 0 and s["requested"] == 0
+    b = json.loads((tmp_path / "cache/b/generation_summary.json").read_text())
+    assert b["http_requests"] == 12 and b["carried_over"] == {}

@@ -231,6 +231,13 @@ class GenerationJob:
         claims = self.claims
         if claims is None:
             return await self.process(item, client, ahead, on_reserved, drop_next)
+        if not claims.waits:  # dedup: false: its own answer, claimed when free so that others may wait for it
+            took = claims.try_claim(item.cache_key)
+            try:
+                return await self.process(item, client, ahead, on_reserved, drop_next)
+            finally:
+                if took:
+                    claims.release(item.cache_key)
         if not claims.try_claim(item.cache_key):
             claims.waited += 1
             if ahead is not None:

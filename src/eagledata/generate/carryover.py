@@ -26,7 +26,8 @@ what the other datasets' caches gained since it last looked (their tails only); 
 there is carried over as above, and not requested. The kernel drops a dead process's locks
 (``kill -9`` included), so a claim never outlives its job: the waiter then requests the sample
 itself. An answer its job could not write to its cache (a full disk) is not seen, and is requested
-again.
+again. A ``dedup: false`` dataset claims what it sends too (when no other job holds the claim), but
+never waits nor carries: a dedup dataset generated at once waits for its answers instead of paying again.
 
 Each sibling cache is scanned once for ``"cache_key": "<64 hex>"`` (a JSON writer escapes every
 quote inside a string, so those bytes occur only as a key of some object); a line is parsed only
@@ -137,8 +138,11 @@ class RequestClaims:
     where its tail starts), :meth:`want` with the keys the job will request (``scanned``: the start
     looked for them already; else every sibling cache is scanned for them now)."""
 
-    def __init__(self, cache_dir: str | Path, dataset: str, warn: Warn | None = None):
+    def __init__(self, cache_dir: str | Path, dataset: str, warn: Warn | None = None, waits: bool = True):
         self.cache_dir, self.dataset, self.warn = Path(cache_dir), dataset, warn
+        #: False for a ``dedup: false`` dataset: it claims what it sends (so that a dedup dataset
+        #: generated at once waits and carries its answers over) but never waits for nor carries another's
+        self.waits = waits
         self.offsets: dict[Path, int] = {}  # sibling cache -> end of the complete lines looked at
         self.wanted: set[str] = set()
         self.found: dict[str, tuple[str, Path, int, int]] = {}  # key -> dataset, cache, line offset, length
@@ -155,6 +159,8 @@ class RequestClaims:
             self.offsets[path] = _complete_end(path)
 
     def want(self, keys: Iterable[str], scanned: bool = False) -> None:
+        if not self.waits:
+            return
         new = set(keys) - self.wanted
         self.wanted |= new
         if scanned or not new:

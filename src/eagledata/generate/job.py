@@ -96,7 +96,7 @@ class Run:
     rounds: int = 0
     carried: dict[str, int] = field(default_factory=dict)  # answers carried over, per dataset they came from
     respeller: Respeller | None = None  # answers cached under another spelling of the same settings
-    claims: RequestClaims | None = None  # dedup datasets: requests claimed across datasets while sent
+    claims: RequestClaims | None = None  # requests claimed across datasets while sent (dedup: false: never waits)
     prompts_sha256: str = ""  # of the prompts file as the job read it (:func:`check_prompts_unchanged`)
 
 
@@ -202,7 +202,12 @@ def carry_answers(run: Run) -> None:
     known, so the conversations are followed again until nothing more is carried."""
     cache = run.cache
     assert cache is not None
-    if not run.todo or not dataset_option(run.config, run.dataset, "dedup"):
+    if not run.todo:
+        return
+    if not dataset_option(run.config, run.dataset, "dedup"):
+        # its own answers, never carried; but it claims what it sends, so that a dedup dataset generated
+        # at once waits for its answers and carries them over instead of paying again
+        run.claims = RequestClaims(run.config["cache_dir"], run.dataset, run.log, waits=False)
         return
     run.claims = RequestClaims(run.config["cache_dir"], run.dataset, run.log)
     run.claims.watch()  # before the scans: what the other caches gain from now on is read as it comes
