@@ -216,3 +216,31 @@ def test_a_stopped_job_counts_the_answers_cached_not_the_spellings(sim, tmp_path
     cfg2["budget_usd"] = 1e-9
     with pytest.raises(JobStopped, match="3 of its 4 samples are cached"):
         generate_dataset(cfg2, "d", out, log=quiet)
+
+
+def test_the_same_endpoint_spelled_otherwise_sends_nothing_again(sim, tmp_path, k25):
+    """localhost and 127.0.0.1 (and the default port written or not) name one server: its answers,
+    cached under one spelling of the endpoint, are taken under the other (with a respelled number too);
+    another port is another server."""
+    from eagledata.generate.requests import equivalent_salts
+
+    assert equivalent_salts({"endpoint": "http://127.0.0.1:30000", "sglang": "chat"}) == [
+        {"endpoint": f"http://{h}:30000", "sglang": "chat"} for h in ("localhost", "[::1]")]
+    assert equivalent_salts({"endpoint": "https://openrouter.ai:443/api/v1"}) == [None]  # the default base
+    assert equivalent_salts({"endpoint": "https://Proxy.example.com/v1"}) == [
+        {"endpoint": "https://proxy.example.com/v1"}, {"endpoint": "https://proxy.example.com:443/v1"}]
+    assert equivalent_salts(None) == [] and equivalent_salts({"endpoint": "http://10.0.0.5:8000/v1"}) == []
+
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 6)
+    assert "127.0.0.1" in sim.base_url
+    cfg = make_config(tmp_path, prompts, str(k25[0].source), api_base=sim.base_url, temperature=1.0)
+    out = tmp_path / "results/d/responses.jsonl"
+    generate_dataset(cfg, "d", out, log=quiet)
+    first = read_jsonl(out)
+    other = with_generation(cfg, api_base=sim.base_url.replace("127.0.0.1", "localhost"), temperature=1)
+    assert plan_dataset(other, "d")["to_request"] == 0
+    summary = generate_dataset(other, "d", out, log=quiet)
+    assert sim.requests_total == 6 and summary["respelled"] == 6 and read_jsonl(out) == first
+    with SimulatorServer(*k25, seed=2) as elsewhere:  # another server: asked
+        summary = generate_dataset(with_generation(cfg, api_base=elsewhere.base_url), "d", out, log=quiet)
+        assert summary["requested"] == 6 and elsewhere.requests_total == 6

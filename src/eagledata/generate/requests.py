@@ -120,6 +120,44 @@ def endpoint_salt(settings: DatasetSettings) -> dict[str, Any] | None:
     return None if base == DEFAULT_API_BASE else {"endpoint": base}
 
 
+#: Host names of this machine's loopback interface: one server, however the endpoint names it.
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+_DEFAULT_PORTS = {"http": "80", "https": "443"}
+
+
+def equivalent_salts(salt: Mapping[str, Any] | None) -> list[dict[str, Any] | None]:
+    """The salts of the same endpoint spelled otherwise (``salt`` itself left out): its host as another
+    loopback name (``localhost``, ``127.0.0.1``, ``[::1]``), or lower-cased, and the scheme's default port
+    written or left out. A sample cached under one of them is the same request to the same server
+    (:class:`~eagledata.generate.respell.Respeller` takes it instead of asking again). The default
+    OpenRouter base has no salt (:func:`endpoint_salt`)."""
+    from urllib.parse import urlsplit
+
+    base = (salt or {}).get("endpoint")
+    if not isinstance(base, str):
+        return []
+    try:
+        url = urlsplit(base)
+        port = url.port
+    except ValueError:
+        return []
+    host = (url.hostname or "").lower()
+    if not host or url.username or url.password:
+        return []
+    host = f"[{host}]" if ":" in host else host
+    hosts = LOOPBACK_HOSTS if host in LOOPBACK_HOSTS else (host,)
+    default = _DEFAULT_PORTS.get(url.scheme.lower())
+    ports = ["", f":{default}"] if default and (port is None or str(port) == default) else [f":{port}" if port else ""]
+    out: list[dict[str, Any] | None] = []
+    for h in hosts:
+        for pt in ports:
+            spelled = f"{url.scheme.lower()}://{h}{pt}{url.path}" + (f"?{url.query}" if url.query else "")
+            other = None if spelled == DEFAULT_API_BASE and "sglang" not in salt else {**salt, "endpoint": spelled}
+            if other != salt and other not in out:
+                out.append(other)
+    return out
+
+
 def request_params(settings: DatasetSettings, config: Mapping[str, Any]) -> dict[str, Any]:
     """The output-shaping settings of a dataset (the ``generate`` rule's ``params``): changing one
     reruns the rule, and the cache makes that rerun request only what changed. Concurrency,

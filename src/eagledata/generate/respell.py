@@ -1,4 +1,5 @@
-"""Answers cached under another spelling of the same numbers, taken instead of requested again.
+"""Answers cached under another spelling of the same numbers (or of the same endpoint), taken instead
+of requested again.
 
 YAML reads ``temperature: 1`` as an integer and ``temperature: 1.0`` as a float, and JSON writes them
 differently (``1``, ``1.0``), so the body sent, and with it the cache key
@@ -18,6 +19,11 @@ index and backend salt; a status-200 answer found under such a key is the same r
 The sample's key then points at that record in the cache's index (in memory: nothing is written,
 :meth:`~eagledata.generate.cache.ResponseCache.alias`), so the record is output as received, with
 its request as it was sent. With ``turns: all`` the turn planner asks it for each turn it follows.
+
+The endpoint is part of a key too (the backend salt: :func:`~eagledata.generate.requests.endpoint_salt`),
+so a sample is also looked up under the salts of the same endpoint spelled otherwise
+(:func:`~eagledata.generate.requests.equivalent_salts`: ``http://localhost:30000`` and
+``http://127.0.0.1:30000`` are one SGLang server).
 """
 
 from __future__ import annotations
@@ -79,7 +85,11 @@ class Respeller:
     is asked again under the other. :attr:`taken` counts the samples found."""
 
     def __init__(self, cache: Any, salt: Mapping[str, Any] | None) -> None:
+        from eagledata.generate.requests import equivalent_salts
+
         self.cache, self.salt = cache, salt
+        # the same endpoint spelled otherwise (localhost or 127.0.0.1, the default port written or not)
+        self.salts: list[Mapping[str, Any] | None] = [salt, *equivalent_salts(salt)]
         self.taken = 0
         self._variants: dict[bytes | str, list[dict[str, Any]]] = {}  # settings as written -> other spellings
 
@@ -103,6 +113,10 @@ class Respeller:
         cache = self.cache
         if not cache.index or item.cache_key in cache.index:
             return None
+        for salt in self.salts[1:]:
+            found = self._answered(cache_key(item.request, item.sample_index, salt))
+            if found is not None:
+                return found
         written = settings_text(item.request)
         variants = self._variants.get(written)
         if variants is None:
@@ -112,9 +126,17 @@ class Respeller:
             return None
         content = {k: v for k, v in item.request.items() if k in CONTENT_KEYS}
         for spelled in variants:
-            key = cache_key({**content, **spelled}, item.sample_index, self.salt)
-            if key in cache.index and key not in cache.not_answered:
-                return cache.aliases.get(key, key)
+            for salt in self.salts:
+                found = self._answered(cache_key({**content, **spelled}, item.sample_index, salt))
+                if found is not None:
+                    return found
+        return None
+
+    def _answered(self, key: str) -> str | None:
+        """The key of the record ``key`` points at when it is a status-200 answer; else ``None``."""
+        cache = self.cache
+        if key in cache.index and key not in cache.not_answered:
+            return cache.aliases.get(key, key)
         return None
 
 
