@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from eagledata.codeinputs import DIGESTS_CACHE, package_dir_for, stage_code, stamp_file
-from eagledata.config import dataset_settings, validate_config
+from eagledata.config import dataset_settings, validate_config, workflow_asset
 from eagledata.extract.limits import length_limit
 from eagledata.extract.weights import compute_setting, layers_setting, model_files
 from eagledata.generate.prompts import canonical
@@ -103,7 +103,7 @@ def tokenizer_files(model_name):
 
 def _built(path):
     """Whether a job of this workflow makes ``path`` (the demo's assets)."""
-    return path.startswith(f"{RESULTS}/_assets/")
+    return workflow_asset(path, config)
 
 
 def tokenizer_input(wildcards):

@@ -203,6 +203,41 @@ def test_snakemake_dry_run_and_plan_stop_on_a_typo(tmp_path, mutate, expected):
     assert {p for p in files_under(work) - before if ".snakemake" not in p.parts} == set()
 
 
+@pytest.mark.workflow
+def test_snakemake_dry_run_and_run_stop_on_a_missing_tokenizer_directory(tmp_path):
+    """Proves (real `snakemake -n` and `snakemake all` processes): a dataset's model whose tokenizer
+    directory does not exist stops both while the workflow is parsed, non-zero, naming the config file,
+    `models.NAME.tokenizer`, the path and the datasets (before: the dry run planned every job, and the
+    first job to load the tokenizer failed); nothing is planned or written. A model no dataset uses is
+    not checked, and a hub id (no local files) and the demo's tokenizer (a rule builds it) still plan."""
+    work = copy_repo(tmp_path / "w")
+    missing = tmp_path / "no-such-tokenizer"
+    cfg = demo_config()
+    cfg["models"]["spare"] = {**cfg["models"]["demo"], "tokenizer": str(tmp_path / "spare-tokenizer")}
+    cfg["models"]["demo"]["tokenizer"] = str(missing)
+    bad = work / "missing.yaml"
+    bad.write_text(yaml.safe_dump(cfg))
+    before = files_under(work)
+
+    expected = (f"{bad}: models.demo.tokenizer: tokenizer directory not found: {missing} "
+                "(the model of dataset(s) chat, multiturn, tools)")
+    for sm in (snakemake_dry_run(work, bad),
+               run([sys.executable, "-m", "snakemake", "--cores", "1", "all", "--configfile", str(bad)], work)):
+        text = sm.stdout + sm.stderr
+        assert sm.returncode != 0 and expected in text, text[-3000:]
+        assert "Job stats" not in text and "spare" not in text
+    assert {p for p in files_under(work) - before if ".snakemake" not in p.parts} == set()
+
+    hub = {**cfg["models"]["demo"], "tokenizer": "moonshotai/Kimi-K2.5"}  # the form of a hub id, no such path
+    cfg["models"] = {"demo": {**hub, "tokenizer": "results/_assets/demo-tokenizer"}, "hub": hub,
+                     "spare": cfg["models"]["spare"]}
+    cfg["datasets"]["multiturn"]["model"] = "hub"
+    good = work / "good.yaml"
+    good.write_text(yaml.safe_dump(cfg))
+    sm = snakemake_dry_run(work, good)
+    assert sm.returncode == 0 and "Job stats" in sm.stdout + sm.stderr, (sm.stdout + sm.stderr)[-3000:]
+
+
 def test_a_correct_config_still_passes_and_examples_validate():
     """Proves: closing the schema rejects nothing real: the demo, every example and a config using
     every override block load."""

@@ -9,7 +9,8 @@ Every object of the schema is closed: an unknown key anywhere is refused with th
 path and the nearest known key (``config.yaml: datasets.B3.max_tokenz: unknown key; did you mean
 `max_tokens`? ...``), found among the keys allowed there, then among those one level below a
 sibling or one level up. Dataset names become directory names (results, logs, cache) and target
-rules, so they must match :data:`DATASET_NAME_PATTERN`.
+rules, so they must match :data:`DATASET_NAME_PATTERN`. The workflow also refuses, while it is parsed,
+a dataset's model whose tokenizer is no directory and no hub id (:func:`check_tokenizer_locations`).
 """
 
 from __future__ import annotations
@@ -284,8 +285,41 @@ def config_source(configfiles: Any) -> str:
 
 def validate_workflow_config(config: dict, configfiles: Any = None) -> dict:
     """The Snakefile's check, before Snakemake's own ``validate`` (whose message names neither the
-    file nor the nearest key): :func:`validate_config` with the config file(s) named."""
-    return validate_config(config, config_source(configfiles))
+    file nor the nearest key): :func:`validate_config` with the config file(s) named, then
+    :func:`check_tokenizer_locations`, so a dry run, or a run before its first job, stops on them."""
+    source = config_source(configfiles)
+    validate_config(config, source)
+    check_tokenizer_locations(config, source)
+    return config
+
+
+def workflow_asset(path: str, config: Mapping[str, Any]) -> bool:
+    """Whether ``path``, as written, lies under ``{results_dir}/_assets/``, where rules of the workflow
+    build the demo's tokenizer and model: a rule input there is Snakemake's to build, or to report
+    missing. (rules/common.smk's ``_built``.)"""
+    return str(path).startswith(f"{config['results_dir']}/_assets/")
+
+
+def check_tokenizer_locations(config: Mapping[str, Any], source: str = "config") -> None:
+    """Raise :class:`ConfigError` (naming ``source``, ``models.NAME.tokenizer``, the path and the datasets
+    using it) where the tokenizer of a model some dataset uses is no directory and no hub id
+    (:func:`eagledata.generate.tokenizers.tokenizer_location_problem`): the rules declare a tokenizer's
+    files, not its directory, so Snakemake would plan every job and the first to load it would fail.
+    Models no dataset uses, and tokenizers a rule builds (:func:`workflow_asset`), are not checked."""
+    from eagledata.generate.tokenizers import tokenizer_location_problem
+
+    users: dict[str, list[str]] = {}
+    for name, ds in config["datasets"].items():
+        users.setdefault(ds["model"], []).append(str(name))
+    for model_name, datasets in users.items():
+        model = config["models"][model_name]
+        if workflow_asset(model["tokenizer"], config):
+            continue
+        problem = tokenizer_location_problem(model)
+        if problem:
+            raise ConfigError(f"{source}: models.{model_name}.tokenizer: {problem} (the model of dataset(s) "
+                              f"{', '.join(datasets)}); give an existing tokenizer directory or a Hugging Face "
+                              "hub id (org/name)")
 
 
 def load_config(path: str | Path) -> dict:

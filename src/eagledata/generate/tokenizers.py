@@ -1,5 +1,6 @@
 """The model's tokenizer for generation and planning: what is wrong with ``models.NAME.tokenizer``
-that can be seen without loading it (:func:`tokenizer_problem`), whether the workflow itself builds
+that can be seen without loading it (:func:`tokenizer_problem`; where it points,
+:func:`tokenizer_location_problem`, also while the workflow is parsed), whether the workflow itself builds
 a path (:func:`workflow_built`), and the loaded tokenizer remembered per process
 (:func:`cached_model_tokenizer`). Shared by :mod:`eagledata.generate.preflight` and
 :mod:`eagledata.generate.plan`."""
@@ -45,20 +46,33 @@ def tokenizer_problem(model: Mapping[str, Any], model_name: str = "?") -> str | 
     if revision is not None and path.exists():
         return (f"tokenizer_revision {revision!r} pins a hub id's files, and {shown_path(path)} is a local path: remove "
                 f"it, or give the hub id (models.{model_name}.tokenizer_revision)")
+    located = tokenizer_location_problem(model)
+    if located:
+        return f"{located} ({where})"
     if path.exists():
-        if not path.is_dir():
-            return f"tokenizer path is a file, not a directory: {shown_path(path)} ({where})"
         present = [f for f in TOKENIZER_FILES if (path / f).exists()]
         if not present:
             return (f"tokenizer directory {shown_path(path)} holds no tokenizer files (expected one of "
                     f"{', '.join(TOKENIZER_FILES)}) ({where})")
         if kind == "tiktoken" and "tiktoken.model" not in present:
             return f"tokenizer directory {shown_path(path)} has no tiktoken.model (tokenizer_kind: tiktoken) ({where})"
-    elif kind == "tiktoken" or not HUB_ID.fullmatch(source):
-        return f"tokenizer directory not found: {shown_path(path)} ({where})"
     template = model.get("chat_template")
     if template and not Path(template).expanduser().is_file():
         return f"chat template file not found: {shown_path(Path(template).expanduser())} (models.{model_name}.chat_template)"
+    return None
+
+
+def tokenizer_location_problem(model: Mapping[str, Any]) -> str | None:
+    """What is wrong with where a model's ``tokenizer`` points, seen from the path alone: nothing there
+    that is no hub id either (a value of the form ``org/name``, unless ``tokenizer_kind: tiktoken``,
+    is left to the loader), or a file; ``None`` otherwise. The part of :func:`tokenizer_problem` that
+    the workflow also checks while it is parsed (:func:`eagledata.config.check_tokenizer_locations`)."""
+    source = str(model["tokenizer"])
+    path = Path(source).expanduser()
+    if path.exists():
+        return None if path.is_dir() else f"tokenizer path is a file, not a directory: {shown_path(path)}"
+    if model.get("tokenizer_kind", "auto") == "tiktoken" or not HUB_ID.fullmatch(source):
+        return f"tokenizer directory not found: {shown_path(path)}"
     return None
 
 
