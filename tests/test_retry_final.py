@@ -108,10 +108,16 @@ def test_the_first_answers_all_the_same_final_error_stop_the_job(setup, tmp_path
                      concurrency=1)
     cfg["cache_dir"] = str(tmp_path / "cache2")
     assert generate_dataset(cfg, "d", tmp_path / "out2.jsonl", log=quiet)["final_errors"] == 12
-    # nor the same final error after an answer
+    # after an answer, 5 alike are no stop; 20 in a row are (the only provider allowed gone mid-run)
     sim, cfg = setup(faults=lambda n, body: "404" if n > 1 else None, concurrency=1)
     cfg["cache_dir"] = str(tmp_path / "cache3")
     assert generate_dataset(cfg, "d", tmp_path / "out3.jsonl", log=quiet)["final_errors"] == 11
+    prompts = write_prompts(tmp_path / "many.jsonl", 40)
+    sim, cfg = setup(faults=lambda n, body: "404" if n > 3 else None, concurrency=1)
+    cfg["cache_dir"], cfg["datasets"]["d"]["prompts"] = str(tmp_path / "cache4"), str(prompts)
+    with pytest.raises(JobStopped, match=r"the last 20 answers were all the same final error \(HTTP 404"):
+        generate_dataset(cfg, "d", tmp_path / "out4.jsonl", log=quiet)
+    assert sim.requests_total == 23
 
 
 def test_the_cli_counts_forgets_and_the_dry_run_shows_the_generate_job(setup, tmp_path):

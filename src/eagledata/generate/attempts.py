@@ -49,6 +49,9 @@ CLAIM_POLL_S = 0.05
 #: setting rather than its prompts is wrong (a model id the provider does not know, an endpoint no
 #: provider serves under the account's data policy), and every other prompt would get that answer too.
 ALIKE_FINAL_ERRORS_STOP = 5
+#: ... and this many in a row after answers: the only provider a routing allows gone mid-run (404 "no
+#: allowed providers"), which would otherwise turn every prompt left into a cached final error.
+ALIKE_FINAL_ERRORS_STOP_LATER = 20
 
 
 def ledger_write_error(path: Path, exc: BaseException) -> str:
@@ -124,7 +127,7 @@ class GenerationJob:
         self.headers = {**cs.headers, "Content-Type": "application/json"}
         self.claims: Any = None  # RequestClaims (eagledata.generate.carryover) of a dedup dataset
         self.answers_ok = 0
-        self.alike_finals: tuple[tuple[int | None, str], int] = ((None, ""), 0)  # the first answers' final error, how many
+        self.alike_finals: tuple[tuple[int | None, str], int] = ((None, ""), 0)  # the last answers' final error, how many
 
     # -- control --------------------------------------------------------------------------------
     def stop(self, reason: str) -> None:
@@ -331,27 +334,27 @@ class GenerationJob:
         self.progress.done += 1
         if out.kind == "ok":
             self.progress.ok += 1
+            self.answers_ok += 1
+            self.alike_finals = ((None, ""), 0)
         else:
             self.progress.final_errors += 1
             self.final_errors.append({"id": item.id, "status": out.status, "error": out.problem})
             self.log(f"{item.id}: HTTP {out.status} is final (not retried): {out.problem}")
             self.stop_if_alike(out)
-        self.answers_ok += out.kind == "ok"
         self.progress.update()
 
     def stop_if_alike(self, out: Outcome) -> None:
-        """Stop the job when its first :data:`ALIKE_FINAL_ERRORS_STOP` answers are the same final error
-        (no answer came before them): the message says how to request them again once fixed."""
-        if self.answers_ok:
-            return
+        """Stop the job when its first :data:`ALIKE_FINAL_ERRORS_STOP` answers, or (after answers) its
+        last :data:`ALIKE_FINAL_ERRORS_STOP_LATER` in a row, are the same final error: the message says
+        how to request them again once fixed."""
         seen, n = self.alike_finals
         n = n + 1 if seen == (out.status, out.problem) else 1
         self.alike_finals = ((out.status, out.problem), n)
-        if n == ALIKE_FINAL_ERRORS_STOP:
-            self.stop(f"the first {n} answers were all the same final error ({out.problem}): a setting rather than "
-                      "the prompts is likely wrong (the model id, the provider routing, the account's data policy at "
-                      f"the provider). Fix it, then request them again: eagledata retry {self.work.settings.name} "
-                      f"--status {out.status}")
+        if n == (ALIKE_FINAL_ERRORS_STOP_LATER if self.answers_ok else ALIKE_FINAL_ERRORS_STOP):
+            self.stop(f"the {'last' if self.answers_ok else 'first'} {n} answers were all the same final error "
+                      f"({out.problem}): a setting or the provider rather than the prompts is likely the cause (the "
+                      "model id, the provider routing, the account's data policy, the only provider allowed gone). "
+                      f"Fix it, then request them again: eagledata retry {self.work.settings.name} --status {out.status}")
 
     async def back_off(self, item: WorkItem, attempt: int, out: Outcome) -> None:
         """Wait before the next attempt (cut short when the job halts)."""
