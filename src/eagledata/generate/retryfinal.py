@@ -26,10 +26,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from eagledata.generate.cache import ResponseCache
-from eagledata.generate.cachelock import describe_holder, lock_path, try_writer_lock
 from eagledata.generate.errors import GenerationError
-from eagledata.io import atomic_write_json
+
+# the cache and its lock are imported where used: the generate rule's input function imports this
+# module while the workflow is parsed (retry_note_path), and every dry run pays for what it imports
 
 RETRY_NOTE = "retry.json"
 
@@ -39,8 +39,8 @@ def retry_note_path(cache_dir: str | Path, dataset: str) -> Path:
     return Path(cache_dir) / dataset / RETRY_NOTE
 
 
-def final_errors(cache: ResponseCache, statuses: Iterable[int] | None = None) -> dict[str, int]:
-    """The keys of ``cache`` (loaded) whose record is a final error, of ``statuses`` when given ->
+def final_errors(cache: Any, statuses: Iterable[int] | None = None) -> dict[str, int]:
+    """The keys of ``cache`` (a loaded :class:`~eagledata.generate.cache.ResponseCache`) whose record is a final error, of ``statuses`` when given ->
     the record's status."""
     wanted = set(statuses) if statuses else None
     out: dict[str, int] = {}
@@ -60,6 +60,10 @@ def retry_final_errors(cache_dir: str | Path, dataset: str, statuses: Iterable[i
     """Forget the final errors of ``dataset``'s cache (of ``statuses`` when given) and write its retry
     note; returns how many per status. ``dry_run``: count them, change nothing. Raises
     :class:`RetryRefused` while a job holds the dataset's cache lock (nothing is changed then)."""
+    from eagledata.generate.cache import ResponseCache
+    from eagledata.generate.cachelock import describe_holder, lock_path, try_writer_lock
+    from eagledata.io import atomic_write_json
+
     path = Path(cache_dir) / dataset / "responses.jsonl"
     if not path.exists():
         return {}
