@@ -157,3 +157,47 @@ def test_the_plan_counts_the_cached_final_errors_and_names_the_command(setup, tm
     retry_final_errors(cfg["cache_dir"], "d", [404])
     row = plan(cfg)["datasets"][0]
     assert row["cached"] == 10 and row["to_request"] == 2 and row["final_errors"] == {"403": 1}
+
+
+def test_the_plan_counts_a_later_turns_final_error_of_a_turns_all_dataset(tmp_path, k25, monkeypatch):
+    """``turns: all``: a conversation that ended on a final error at turn 1 (turn 0 answered) is a
+    cached final error the plan names, and after ``eagledata retry`` that turn, and the turn after it,
+    are requested (the earlier turn's answer is not)."""
+    from eagledata.generate.plan import plan_dataset
+    from eagledata.standin.faults import Fault
+
+    monkeypatch.setenv("OPENROUTER_API_KEY", API_KEY)
+    tok, fam = k25
+    convs = [{"id": c, "messages": [{"role": "user", "content": f"{c}: question 0?"},
+                                    {"role": "assistant", "content": "original answer 0"},
+                                    {"role": "user", "content": f"{c}: question 1?"},
+                                    {"role": "assistant", "content": "original answer 1"},
+                                    {"role": "user", "content": f"{c}: question 2?"}]} for c in ("a", "b")]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    failing = {"on": True}
+
+    def faults(n, body):
+        if failing["on"] and body["messages"][-1]["content"] == "a: question 1?":
+            return Fault.http(404, message="No endpoints found matching your data policy")
+        return None
+
+    sim = SimulatorServer(tok, fam, seed=2, faults=faults).start()
+    try:
+        cfg = make_config(tmp_path, prompts, str(tok.source), api_base=sim.base_url, concurrency=1)
+        cfg["datasets"]["d"]["turns"] = "all"
+        out = tmp_path / "out.jsonl"
+        generate_dataset(cfg, "d", out, log=quiet)
+        assert [(r["id"], r["status"]) for r in read_jsonl(out)] == [
+            ("a#t0", 200), ("a#t1", 404), ("b#t0", 200), ("b#t1", 200), ("b#t2", 200)]
+        row = plan_dataset(cfg, "d")
+        assert (row["cached"], row["to_request"], row["final_errors"]) == (5, 0, {"404": 1})
+        failing["on"] = False
+        assert retry_final_errors(cfg["cache_dir"], "d") == {"404": 1}
+        row = plan_dataset(cfg, "d")
+        assert (row["cached"], row["to_request"], row["final_errors"]) == (4, 2, {})
+        before = sim.requests_total
+        assert generate_dataset(cfg, "d", out, log=quiet)["requested"] == 2 and sim.requests_total - before == 2
+        assert all(r["status"] == 200 for r in read_jsonl(out)) and len(read_jsonl(out)) == 6
+    finally:
+        sim.stop()

@@ -219,6 +219,7 @@ def _turns_plan(work: Any, cache: ResponseCache, estimator: PromptEstimator,
     from eagledata.generate.turns import TurnPlanner
 
     state = TurnPlanner(work, cache, work.tokenizer, Respeller(cache, work.salt)).advance()
+    work.items = state.items  # every turn known, as the job sees them (its cached final errors counted too)
     n_samples = int(work.settings.generation.get("samples_per_prompt", 1))
     reasoning = work.settings.generation.get("reasoning")
     total = todo = est_sum = upper_sum = 0
