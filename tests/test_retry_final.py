@@ -201,3 +201,50 @@ def test_the_plan_counts_a_later_turns_final_error_of_a_turns_all_dataset(tmp_pa
         assert all(r["status"] == 200 for r in read_jsonl(out)) and len(read_jsonl(out)) == 6
     finally:
         sim.stop()
+
+
+def test_a_failed_write_leaves_no_error_forgotten_without_its_note(setup, tmp_path, monkeypatch):
+    """The note makes Snakemake rerun the job; a final error forgotten without it would never be asked
+    again (a second ``eagledata retry`` finds nothing left to forget): the note is written first, and a
+    write that fails (a full disk) is a :class:`RetryFailed` saying what happened, not a traceback."""
+    import errno
+
+    from eagledata.generate import retryfinal
+    from eagledata.generate.retryfinal import RetryFailed
+
+    sim, cfg = setup(faults={2: "404", 5: "404"}, concurrency=1)
+    generate_dataset(cfg, "d", tmp_path / "out.jsonl", log=quiet)
+    data = (tmp_path / "cache/d/responses.jsonl").read_bytes()
+
+    def full(*_a, **_k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:  # the note cannot be written: nothing is forgotten
+        m.setattr(retryfinal, "atomic_write_json", full)
+        with pytest.raises(RetryFailed, match="No space left on device.*nothing was forgotten"):
+            retry_final_errors(cfg["cache_dir"], "d")
+    assert (tmp_path / "cache/d/responses.jsonl").read_bytes() == data
+    writes = {"n": 0}
+    real = ResponseCache._write_some
+
+    def second_fails(self, fd, view):
+        writes["n"] += 1
+        if writes["n"] == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, fd, view)
+
+    with monkeypatch.context() as m:  # the second marker fails: the first error is forgotten, with its note
+        m.setattr(ResponseCache, "_write_some", second_fails)
+        with pytest.raises(RetryFailed, match=r"1 of 2 final error\(s\) forgotten.*run eagledata retry d again"):
+            retry_final_errors(cfg["cache_dir"], "d")
+    assert retry_note_path(cfg["cache_dir"], "d").exists()
+    data = (tmp_path / "cache/d/responses.jsonl").read_bytes()
+    with monkeypatch.context() as m:  # an fsync fails: the marker it cannot vouch for is cut off again
+        m.setattr(ResponseCache, "_fsync", lambda self, fd: full())
+        with pytest.raises(RetryFailed, match=r"0 of 1 final error\(s\) forgotten, then .*fsync failed"):
+            retry_final_errors(cfg["cache_dir"], "d")
+    assert (tmp_path / "cache/d/responses.jsonl").read_bytes() == data
+    assert retry_final_errors(cfg["cache_dir"], "d") == {"404": 1}  # the other one
+    before = sim.requests_total
+    generate_dataset(cfg, "d", tmp_path / "out.jsonl", log=quiet)
+    assert sim.requests_total - before == 2

@@ -28,8 +28,8 @@ from typing import Any, Iterable, Mapping
 
 from eagledata.generate.errors import GenerationError
 
-# the cache and its lock are imported where used: the generate rule's input function imports this
-# module while the workflow is parsed (retry_note_path), and every dry run pays for what it imports
+# the cache, its lock and the rest are imported where used: the generate rule's input function imports
+# this module while the workflow is parsed (retry_note_path), and every dry run pays for what it imports
 
 RETRY_NOTE = "retry.json"
 
@@ -40,8 +40,8 @@ def retry_note_path(cache_dir: str | Path, dataset: str) -> Path:
 
 
 def final_errors(cache: Any, statuses: Iterable[int] | None = None) -> dict[str, int]:
-    """The keys of ``cache`` (a loaded :class:`~eagledata.generate.cache.ResponseCache`) whose record is a final error, of ``statuses`` when given ->
-    the record's status."""
+    """The keys of ``cache`` (a loaded :class:`~eagledata.generate.cache.ResponseCache`) whose record
+    is a final error, of ``statuses`` when given -> the record's status."""
     wanted = set(statuses) if statuses else None
     out: dict[str, int] = {}
     if not cache.not_answered:
@@ -59,15 +59,23 @@ def retry_final_errors(cache_dir: str | Path, dataset: str, statuses: Iterable[i
                        dry_run: bool = False) -> dict[str, int]:
     """Forget the final errors of ``dataset``'s cache (of ``statuses`` when given) and write its retry
     note; returns how many per status. ``dry_run``: count them, change nothing. Raises
-    :class:`RetryRefused` while a job holds the dataset's cache lock (nothing is changed then)."""
+    :class:`RetryRefused` while a job holds the dataset's cache lock (nothing is changed then), and
+    :class:`RetryFailed` when a write fails. The note is written before the first marker: a final
+    error forgotten without the note would not be requested until something else reran the job (a
+    second ``eagledata retry`` finds it forgotten already), a note without markers reruns it for nothing."""
     from eagledata.generate.cache import ResponseCache
     from eagledata.generate.cachelock import describe_holder, lock_path, try_writer_lock
+    from eagledata.generate.rescue import free_space
     from eagledata.io import atomic_write_json
 
     path = Path(cache_dir) / dataset / "responses.jsonl"
     if not path.exists():
         return {}
-    lock = try_writer_lock(cache_dir, dataset)
+    try:
+        lock = try_writer_lock(cache_dir, dataset)
+    except OSError as exc:
+        raise RetryFailed(f"dataset {dataset!r}: {lock_path(cache_dir, dataset)}: {exc.strerror or exc}; "
+                          "nothing was forgotten") from None
     if lock is None:
         raise RetryRefused(f"dataset {dataset!r}: a generate job is writing its cache now "
                            f"({describe_holder(lock_path(cache_dir, dataset))}); run eagledata retry when it has finished")
@@ -79,17 +87,42 @@ def retry_final_errors(cache_dir: str | Path, dataset: str, statuses: Iterable[i
         if dry_run or not found:
             return counts
         note = {"at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "by": "eagledata retry"}
-        try:
-            for key, status in found.items():
-                cache.forget(key, {**note, "status": status})
-        finally:
-            cache.close()
-        atomic_write_json(retry_note_path(cache_dir, dataset), {**note, "forgotten": counts})
+        _forget_all(cache, dataset, found, note, retry_note_path(cache_dir, dataset), counts)
     return counts
+
+
+def _forget_all(cache: Any, dataset: str, found: Mapping[str, int], note: Mapping[str, Any],
+                note_path: Path, counts: Mapping[str, int]) -> None:
+    """The note, then a marker per key of ``found`` (durable once this returns); a failed write is a
+    :class:`RetryFailed` saying how many were forgotten."""
+    try:
+        atomic_write_json(note_path, {**note, "forgotten": counts})
+    except OSError as exc:
+        raise RetryFailed(f"dataset {dataset!r}: {note_path}: {exc.strerror or exc} ({free_space(note_path)}); "
+                          "nothing was forgotten") from None
+    done, problem = 0, None
+    try:
+        for key, status in found.items():
+            cache.forget(key, {**note, "status": status})
+            done += 1
+    except OSError as exc:
+        problem = f"{cache.path}: {exc.strerror or exc} ({free_space(cache.path)})"
+    finally:
+        cache.close()
+    if cache.write_error is not None:  # an fsync failed: the markers it covered are cut off the file again
+        done, problem = done - len(cache.pending), problem or cache.write_error
+    if problem is not None:
+        raise RetryFailed(f"dataset {dataset!r}: {done} of {len(found)} final error(s) forgotten, then {problem}; "
+                          f"those are requested by the next run ({note_path} is written): free space and run "
+                          f"eagledata retry {dataset} again for the rest")
 
 
 class RetryRefused(GenerationError):
     """A dataset's cache is being written by a generate job: nothing was changed."""
+
+
+class RetryFailed(GenerationError):
+    """A write of ``eagledata retry`` failed (a full disk); the message says what was forgotten."""
 
 
 def cmd_retry(args: Any) -> int:
@@ -110,7 +143,7 @@ def cmd_retry(args: Any) -> int:
     for dataset in (d for d, s in settings.items() if not s.imported):
         try:
             counts = retry_final_errors(config["cache_dir"], dataset, args.status, args.dry_run)
-        except RetryRefused as exc:
+        except (RetryRefused, RetryFailed) as exc:
             print(f"eagledata retry: {exc}", file=sys.stderr)
             refused += 1
             continue
