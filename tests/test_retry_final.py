@@ -248,3 +248,34 @@ def test_a_failed_write_leaves_no_error_forgotten_without_its_note(setup, tmp_pa
     before = sim.requests_total
     generate_dataset(cfg, "d", tmp_path / "out.jsonl", log=quiet)
     assert sim.requests_total - before == 2
+
+
+def test_errors_requested_again_on_purpose_do_not_stop_the_job(setup, tmp_path):
+    """A retry run requests only errors, those that failed before: the prompts' own final errors among
+    them (an upstream 400 that OpenRouter words "Provider returned error" for every prompt) are not a
+    setting gone wrong, so the job does not stop on them and the errors fixed meanwhile are answered."""
+    from eagledata.standin.faults import Fault
+
+    policy = {"fixed": False}
+
+    def faults(n, body):
+        i = int(body["messages"][-1]["content"].split(":")[0].removeprefix("Prompt q"))
+        if 2 <= i <= 7:
+            return Fault.http(400, message="Provider returned error")
+        if i in (9, 11) and not policy["fixed"]:
+            return Fault.http(404, message="No endpoints found matching your data policy")
+        return None
+
+    sim, cfg = setup(faults=faults, concurrency=1)
+    out = tmp_path / "out.jsonl"
+    assert generate_dataset(cfg, "d", out, log=quiet)["final_errors"] == 8  # answers came first: no stop
+    policy["fixed"] = True
+    assert retry_final_errors(cfg["cache_dir"], "d") == {"400": 6, "404": 2}  # every status, the default
+    summary = generate_dataset(cfg, "d", out, log=quiet)
+    assert summary["requested"] == 8 and summary["final_errors"] == 6
+    assert [r["status"] for r in read_jsonl(out)] == [200, 200] + [400] * 6 + [200] * 4
+    # a fresh request's first answers still stop the job when they are all the same final error
+    sim, cfg = setup(faults=lambda n, body: Fault.http(400, message="Provider returned error"), concurrency=1)
+    cfg["cache_dir"] = str(tmp_path / "cache2")
+    with pytest.raises(JobStopped, match="the first 5 answers were all the same final error"):
+        generate_dataset(cfg, "d", tmp_path / "out2.jsonl", log=quiet)

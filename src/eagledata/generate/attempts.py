@@ -340,13 +340,17 @@ class GenerationJob:
             self.progress.final_errors += 1
             self.final_errors.append({"id": item.id, "status": out.status, "error": out.problem})
             self.log(f"{item.id}: HTTP {out.status} is final (not retried): {out.problem}")
-            self.stop_if_alike(out)
+            if item.cache_key not in self.cache.forgotten:  # else asked again on purpose (eagledata retry)
+                self.stop_if_alike(out)
         self.progress.update()
 
     def stop_if_alike(self, out: Outcome) -> None:
         """Stop the job when its first :data:`ALIKE_FINAL_ERRORS_STOP` answers, or (after answers) its
         last :data:`ALIKE_FINAL_ERRORS_STOP_LATER` in a row, are the same final error: the message says
-        how to request them again once fixed."""
+        how to request them again once fixed. Not called for a request ``eagledata retry`` asked for
+        again: those failed before, and the prompts' own final errors among them (an upstream 400 that
+        OpenRouter words alike for every prompt) would stop every retry run before the errors fixed
+        meanwhile are asked."""
         seen, n = self.alike_finals
         n = n + 1 if seen == (out.status, out.problem) else 1
         self.alike_finals = ((out.status, out.problem), n)

@@ -59,6 +59,7 @@ class ResponseCache:
         self._settings_seen: set[bytes | str] = set()
         self.not_answered: set[str] = set()  # keys whose record is not known to be a status-200 answer
         self.aliases: dict[str, str] = {}  # key -> the key of its record, cached in another spelling (alias)
+        self.forgotten: set[str] = set()  # keys whose final error a retry marker forgot (asked again on purpose)
         self.skipped_lines = 0
         self.pending: list[tuple[str, bytes]] = []  # received, not (known to be) in the file
         self.write_error: str | None = None
@@ -81,6 +82,7 @@ class ResponseCache:
         self._settings_seen.clear()
         self.not_answered.clear()
         self.aliases.clear()
+        self.forgotten.clear()
         if not self.path.exists():
             return self.index
         offset = 0
@@ -100,6 +102,7 @@ class ResponseCache:
             if key in self.not_answered:
                 self.index.pop(key, None)
                 self.not_answered.discard(key)
+                self.forgotten.add(key)
             return
         self.index[key] = (offset, length)
         if rec.get("status") == 200:
@@ -223,6 +226,7 @@ class ResponseCache:
         self._append(key, (json.dumps({"cache_key": key, RETRY_FIELD: dict(note)}) + "\n").encode("utf-8"))
         self.index.pop(key)
         self.not_answered.discard(key)
+        self.forgotten.add(key)
 
     def _check_sync(self) -> None:
         """Account for the finished (else: wait for the) background ``fsync``: the records it
