@@ -279,3 +279,21 @@ def test_errors_requested_again_on_purpose_do_not_stop_the_job(setup, tmp_path):
     cfg["cache_dir"] = str(tmp_path / "cache2")
     with pytest.raises(JobStopped, match="the first 5 answers were all the same final error"):
         generate_dataset(cfg, "d", tmp_path / "out2.jsonl", log=quiet)
+
+
+def test_a_reader_that_knows_no_markers_keeps_the_final_error(setup, tmp_path):
+    """Work directories may share a cache_dir across eagledata versions. A reader from before retry
+    markers indexes each line by its ``cache_key`` (the last line of a key is its record) and skips a
+    line without one: a marker must be such a line, else that reader takes it for the sample's record
+    and writes it out with no status, request nor response."""
+    sim, cfg = setup(faults={2: "404"}, concurrency=1)
+    generate_dataset(cfg, "d", tmp_path / "out.jsonl", log=quiet)
+    assert retry_final_errors(cfg["cache_dir"], "d") == {"404": 1}
+    last: dict[str, dict] = {}
+    for line in (tmp_path / "cache/d/responses.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "cache_key" in rec:
+            last[rec["cache_key"]] = rec
+    assert sorted(r["status"] for r in last.values()) == [200] * 11 + [404]
+    assert all(r.get("request") and r.get("response_raw") for r in last.values())
+    assert cache_of(cfg).records == 11  # this version reads the marker, as before

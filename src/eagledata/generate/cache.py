@@ -30,6 +30,11 @@ FSYNC_INTERVAL_S = 0.5
 #: The field of a retry marker: a line that forgets the final error cached before it for its key
 #: (``eagledata retry``), so that the next job requests it again. The file stays append-only.
 RETRY_FIELD = "retry"
+#: The marker's key field. Not ``cache_key``: a reader that knows no markers (an older eagledata in
+#: another work directory sharing the cache_dir) then skips the line as unreadable and keeps the final
+#: error, instead of taking the marker for the key's record (and writing it out as a sample with no
+#: status, request nor response). Markers with a ``cache_key`` are read too.
+RETRY_KEY_FIELD = "retry_of"
 
 
 class FsyncFailed(EagledataError, OSError):
@@ -97,13 +102,14 @@ class ResponseCache:
         return self.index
 
     def _index_line(self, rec: Mapping[str, Any], offset: int, length: int) -> None:
-        key = rec["cache_key"]
         if RETRY_FIELD in rec:  # a final error forgotten (:meth:`forget`); an answer never is
+            key = rec[RETRY_KEY_FIELD] if RETRY_KEY_FIELD in rec else rec["cache_key"]
             if key in self.not_answered:
                 self.index.pop(key, None)
                 self.not_answered.discard(key)
                 self.forgotten.add(key)
             return
+        key = rec["cache_key"]
         self.index[key] = (offset, length)
         if rec.get("status") == 200:
             self.not_answered.discard(key)
@@ -217,13 +223,13 @@ class ResponseCache:
             self._keep_spelling(record)
 
     def forget(self, key: str, note: Mapping[str, Any]) -> None:
-        """Append a retry marker for ``key`` (``{"cache_key": key, "retry": note}``) and drop ``key``
+        """Append a retry marker for ``key`` (``{"retry_of": key, "retry": note}``) and drop ``key``
         from the index, so that the next job requests it again. Only a final error is forgotten: a key
         whose record is an answer (status 200), or not in this cache, raises ``ValueError``. Raises
         ``OSError`` when the marker cannot be written (the record stays as it was)."""
         if key not in self.index or key not in self.not_answered or key in self.aliases:
             raise ValueError(f"{self.path}: {key} is not a final error of this cache")
-        self._append(key, (json.dumps({"cache_key": key, RETRY_FIELD: dict(note)}) + "\n").encode("utf-8"))
+        self._append(key, (json.dumps({RETRY_KEY_FIELD: key, RETRY_FIELD: dict(note)}) + "\n").encode("utf-8"))
         self.index.pop(key)
         self.not_answered.discard(key)
         self.forgotten.add(key)
