@@ -27,9 +27,11 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from eagledata.generate.errors import GenerationError
+from eagledata.generate.rescue import free_space
+from eagledata.io import atomic_write_json
 
-# the cache, its lock and the rest are imported where used: the generate rule's input function imports
-# this module while the workflow is parsed (retry_note_path), and every dry run pays for what it imports
+# the cache and its lock are imported where used: the generate rule's input function imports this
+# module while the workflow is parsed (retry_note_path), and every dry run pays for what it imports
 
 RETRY_NOTE = "retry.json"
 
@@ -65,8 +67,6 @@ def retry_final_errors(cache_dir: str | Path, dataset: str, statuses: Iterable[i
     second ``eagledata retry`` finds it forgotten already), a note without markers reruns it for nothing."""
     from eagledata.generate.cache import ResponseCache
     from eagledata.generate.cachelock import describe_holder, lock_path, try_writer_lock
-    from eagledata.generate.rescue import free_space
-    from eagledata.io import atomic_write_json
 
     path = Path(cache_dir) / dataset / "responses.jsonl"
     if not path.exists():
