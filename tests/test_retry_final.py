@@ -103,7 +103,13 @@ def test_the_first_answers_all_the_same_final_error_stop_the_job(setup, tmp_path
         generate_dataset(cfg, "d", tmp_path / "out.jsonl", log=quiet)
     assert "eagledata retry d --status 404" in str(exc.value) and "5 of its 12 samples are cached" in str(exc.value)
     assert sim.requests_total == 5  # not 12
-    # final errors that differ (a prompt too long, each its own count) are the prompts' own: no stop
+    # final errors that differ (a prompt too long, each its own count) are the prompts' own: no stop,
+    # also where OpenRouter words them alike and the provider's own message follows in metadata.raw
+    sim, cfg = setup(faults=lambda n, body: Fault.http(400, message="Provider returned error", raw=json.dumps(
+        {"error": {"message": f"This model's maximum context length is 8192 tokens; your prompt has {8000 + n}"}})),
+        concurrency=1)
+    cfg["cache_dir"] = str(tmp_path / "cache1")
+    assert generate_dataset(cfg, "d", tmp_path / "out1.jsonl", log=quiet)["final_errors"] == 12
     sim, cfg = setup(faults=lambda n, body: Fault.http(400, message=f"prompt is {1000 + n} tokens, too long"),
                      concurrency=1)
     cfg["cache_dir"] = str(tmp_path / "cache2")

@@ -68,6 +68,7 @@ class Outcome:
     retry_after: float | None = None
     line: bytes | None = None  # the cache line (ok, final)
     status: int = 0
+    body: str = ""  # a final error's body as received (what makes two errors alike)
 
 
 class GenerationId:
@@ -350,10 +351,12 @@ class GenerationJob:
         how to request them again once fixed. Not called for a request ``eagledata retry`` asked for
         again: those failed before, and the prompts' own final errors among them (an upstream 400 that
         OpenRouter words alike for every prompt) would stop every retry run before the errors fixed
-        meanwhile are asked."""
+        meanwhile are asked. Alike means the same status and the same body, byte for byte: OpenRouter words
+        every upstream 400 "Provider returned error", the provider's own message (a prompt's length)
+        follows in ``metadata.raw``, and a moderation refusal quotes the flagged input."""
         seen, n = self.alike_finals
-        n = n + 1 if seen == (out.status, out.problem) else 1
-        self.alike_finals = ((out.status, out.problem), n)
+        n = n + 1 if seen == (out.status, out.body) else 1
+        self.alike_finals = ((out.status, out.body), n)
         if n == (ALIKE_FINAL_ERRORS_STOP_LATER if self.answers_ok else ALIKE_FINAL_ERRORS_STOP):
             self.stop(f"the {'last' if self.answers_ok else 'first'} {n} answers were all the same final error "
                       f"({out.problem}): a setting or the provider rather than the prompts is likely the cause (the "
@@ -486,7 +489,8 @@ class GenerationJob:
                "ledger_ref": ref, "cost": cost, "provider": ans.provider}
         if "messages" not in item.request:  # native SGLang: the same request in chat form
             rec["chat_request"] = item.chat_request
-        return Outcome("ok" if ans.ok else "final", ans.problem, line=cache_line(rec, item.body_json, text), status=status)
+        return Outcome("ok" if ans.ok else "final", ans.problem, line=cache_line(rec, item.body_json, text), status=status,
+                       body="" if ans.ok else text)
 
     def retry_answer(self, resp: Response, ans: Answer, gid: str | None, ref: str | None) -> Outcome:
         """A retryable answer (408/429/5xx, an error in a 200, a cut stream, a malformed body). An

@@ -28,10 +28,11 @@ class Fault:
     retry_after: float | None = None
     seconds: float = 0.0
     message: str = ""
+    raw: str = ""  # the upstream provider's own error text (OpenRouter's ``error.metadata.raw``)
 
     @classmethod
-    def http(cls, status: int, retry_after: float | None = None, message: str = "") -> "Fault":
-        return cls("http", status, retry_after, 0.0, message)
+    def http(cls, status: int, retry_after: float | None = None, message: str = "", raw: str = "") -> "Fault":
+        return cls("http", status, retry_after, 0.0, message, raw)
 
     @classmethod
     def parse(cls, spec: "str | Fault") -> "Fault":
@@ -63,9 +64,10 @@ HTTP_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 402: "Paymen
             502: "Bad Gateway", 503: "Service Unavailable", 524: "A Timeout Occurred", 529: "Site Overloaded"}
 
 
-def error_body(code: int | str, message: str, provider: str = "Simulator") -> dict[str, Any]:
-    """OpenRouter's error object."""
-    return {"error": {"code": code, "message": message, "metadata": {"provider_name": provider}}}
+def error_body(code: int | str, message: str, provider: str = "Simulator", raw: str = "") -> dict[str, Any]:
+    """OpenRouter's error object (``raw``: an upstream provider's own error text, in ``metadata.raw``)."""
+    metadata = {"raw": raw, "provider_name": provider} if raw else {"provider_name": provider}
+    return {"error": {"code": code, "message": message, "metadata": metadata}}
 
 
 def sglang_error_body(code: int, message: str) -> dict[str, Any]:

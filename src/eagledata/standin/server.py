@@ -349,8 +349,9 @@ class SimulatorServer:
         data = text.encode("utf-8")
         return [("write", self._head(status, content_type, len(data), headers) + data)]
 
-    def _error(self, status: int, message: str, headers: Mapping[str, str] | None = None) -> list[tuple]:
-        body = sglang_error_body(status, message) if self.api == "sglang" else error_body(status, message, self.profile.provider_name)
+    def _error(self, status: int, message: str, headers: Mapping[str, str] | None = None, raw: str = "") -> list[tuple]:
+        body = sglang_error_body(status, message) if self.api == "sglang" \
+            else error_body(status, message, self.profile.provider_name, raw)
         return self._send(status, dumps(body), headers=headers)
 
     def _latency(self) -> float:
@@ -406,7 +407,7 @@ class SimulatorServer:
                 return [("reset",)]
             elif fault.kind == "http":
                 extra = {"Retry-After": f"{fault.retry_after:g}"} if fault.retry_after is not None else None
-                return self._error(fault.status, fault.message or ERROR_MESSAGES.get(fault.status, "Error"), extra)
+                return self._error(fault.status, fault.message or ERROR_MESSAGES.get(fault.status, "Error"), extra, fault.raw)
         if kind == "chat" and not body.get("model"):
             return pre + self._error(400, "model is required")
         stream = bool(body.get("stream"))
