@@ -115,6 +115,7 @@ def try_writer_lock(cache_dir: str | Path, dataset: str) -> CacheWriterLock | No
     if not _try_lock(fd):
         os.close(fd)
         return None
+    _write_identity(fd, dataset)  # a job waiting meanwhile names this process, not the last job
     return CacheWriterLock(path, fd)
 
 
