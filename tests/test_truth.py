@@ -84,6 +84,39 @@ def test_engine_token_ids_are_the_tokens_and_the_text_path_is_measured(demo_tok,
                     assert "text_path_differs" not in row["reasons"]
 
 
+@pytest.mark.parametrize("reasoning", [None, {"enabled": False}])
+def test_native_generate_records_are_read_through_their_chat_request(reasoning, demo_tok, tmp_path, monkeypatch):
+    """A record of SGLang's native /generate holds the native body as its request (input_ids,
+    sampling_params: no messages); the tokens stage reads the messages, tools and thinking setting
+    from its chat_request. Read from the native body, a request with thinking off was taken as
+    thinking (K2.5's default): all 12 samples a mismatch (think_close_count); and every prompt was
+    flagged prompt_path_differs (our rendering of no messages against the input_ids sent)."""
+    from eagledata.generate.job import generate_dataset
+
+    monkeypatch.delenv("OPENROUTER_API_KEY", raising=False)
+    tok, fam = demo_tok
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in demo_prompts()[:12]))
+    with SimulatorServer(tok, fam, seed=SEED, api="sglang") as sim:
+        gen = {"api_base": sim.root_url, "max_tokens": 4096, "sglang_endpoint": "generate", "reasoning": reasoning}
+        cfg = {"cache_dir": str(tmp_path / "cache"), "results_dir": str(tmp_path / "results"),
+               "models": {"m": {"family": "kimi-k2.5", "tokenizer": tok.source}}, "generation": gen,
+               "datasets": {"d": {"prompts": str(prompts), "model": "m", "backend": "sglang"}}}
+        out = tmp_path / "out.jsonl"
+        generate_dataset(cfg, "d", out, log=lambda _m: None)
+        records = [json.loads(x) for x in out.read_text().splitlines()]
+        build_token_shards(out, tmp_path / "tokens", tok, fam, "d")
+        rows = {r["id"]: r for r in read_shards(tmp_path / "tokens").iter_rows(named=True)}
+        for rec in records:
+            row, truth = rows[rec["id"]], sim.truth("gen-" + rec["generation_id"])
+            assert "messages" not in rec["request"] and rec["chat_request"]["messages"]
+            assert row["input_ids"] == truth["prompt_ids"] + truth["ids"]
+            assert row["verdict"] == "exact", row["reasons"]
+            assert "prompt_path_differs" not in row["reasons"]
+            kinds = [s["kind"] for s in json.loads(row["segments"])]
+            assert ("think_close" in kinds) is (reasoning is None)
+
+
 @pytest.mark.parametrize("model", ["k2", "k25"])
 def test_a_compacting_provider_teaches_no_wrong_count_convention(model, request, tmp_path):
     """Stand-in provider ``no-eot-compact-args`` re-serializes tool arguments as compact JSON and bills

@@ -63,8 +63,11 @@ def tokenize_record(
     parsed: ParsedResponse | None = None,
 ) -> Sample:
     """Prompt ids from the chat template, completion ids from the exact response body (``parsed``:
-    that body as :func:`parse_record` parsed it, when the caller did already)."""
-    request = record.get("request") or {}
+    that body as :func:`parse_record` parsed it, when the caller did already). A record of SGLang's
+    native ``/generate`` (its ``request`` holds ``input_ids``, no ``messages``) is read through its
+    ``chat_request``: the messages, tools and thinking setting its ``input_ids`` were rendered from."""
+    sent = record.get("request") or {}
+    request = chat_form(record)
     if parsed is None:
         parsed = parse_record(record)
     messages = request.get("messages") or []
@@ -79,7 +82,7 @@ def tokenize_record(
     from_engine = False
     if isinstance(truth, list) and parsed.error is None:
         completion = _ground_truth(truth, completion, tokenizer, family)
-        server_prompt = record.get("prompt_token_ids") or request.get("input_ids")
+        server_prompt = record.get("prompt_token_ids") or sent.get("input_ids")
         if isinstance(server_prompt, list):
             if server_prompt != p_ids:
                 completion.flags.append("prompt_path_differs")
@@ -87,6 +90,16 @@ def tokenize_record(
         if parsed.provider is None:
             parsed.provider = str(record.get("backend") or "sglang")
     return Sample(sample_id, request, parsed, p_ids, completion, thinking, prompt_error, from_engine)
+
+
+def chat_form(record: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The record's request in chat form: its ``request``, or for a native SGLang ``/generate`` body
+    (``input_ids``, no ``messages``) the ``chat_request`` it was built from, when the record has one."""
+    request = record.get("request") or {}
+    chat = record.get("chat_request")
+    if "messages" not in request and "input_ids" in request and isinstance(chat, Mapping):
+        return chat
+    return request
 
 
 def alternative_prompt_lengths(sample: Sample, tokenizer: Tokenizer, template: str | None = None,
