@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from eagledata.generate.errors import GenerationError, Interrupted
+from eagledata.generate.answers import sglang_completion_ids
+from eagledata.generate.errors import GenerationError, Interrupted, JobStopped
 from eagledata.generate.job import generate_dataset
 from eagledata.generate.progress import Progress
 from eagledata.tokens.responses import parse_response
@@ -381,7 +382,9 @@ def test_progress_plain_lines_and_tty_bar():
 def test_sglang_backend_stores_the_generated_ids(stand_in, tmp_path, monkeypatch, endpoint, trim):
     monkeypatch.delenv("OPENROUTER_API_KEY", raising=False)  # a local server needs no key
     sim = stand_in(api="sglang", sglang_trim_stop=trim, faults={2: "503"})
-    prompts = write_prompts(tmp_path / "p.jsonl", 6)
+    # trimmed ids after tool calls cannot be completed on the chat endpoint (SGLang reports no matched
+    # stop after tool calls): test_sglang_answers_without_usable_ids_stop_the_job
+    prompts = write_prompts(tmp_path / "p.jsonl", 6, tools_every=0 if trim and endpoint == "chat" else 3)
     cfg = make_config(tmp_path, prompts, sim.tokenizer.source, backend="sglang", api_base=sim.root_url + "/v1",
                       sglang_endpoint=endpoint, stream=True)
     summary = generate_dataset(cfg, "d", tmp_path / "out.jsonl", log=quiet)
@@ -401,3 +404,57 @@ def test_sglang_backend_stores_the_generated_ids(stand_in, tmp_path, monkeypatch
             assert rec["request"]["input_ids"] == truth["prompt_ids"] and rec["chat_request"]["messages"]
             body = json.loads(rec["response_raw"])
             assert tok.decode(rec["token_ids"]) == body["text"]  # special tokens kept, stop not trimmed
+
+
+@pytest.mark.parametrize("endpoint, trim", [("chat", False), ("chat", True), ("generate", False), ("generate", True)])
+def test_sglang_output_ids_that_echo_the_prompt_are_cut(stand_in, tmp_path, monkeypatch, endpoint, trim):
+    """SGLang releases whose detokenizer returned its decode window as ``output_ids`` (sglang issues
+    #10896, #17240) put the prompt's last 5 ids before the completion's. They were stored as the
+    completion (12 of 12 records, then all a mismatch in the tokens stage); now the 5 extra ids,
+    the prompt's own last ones by the engine's completion count, are cut."""
+    monkeypatch.delenv("OPENROUTER_API_KEY", raising=False)
+    sim = stand_in(api="sglang", sglang_prompt_echo=5, sglang_trim_stop=trim)
+    prompts = write_prompts(tmp_path / "p.jsonl", 12, tools_every=0)
+    cfg = make_config(tmp_path, prompts, sim.tokenizer.source, backend="sglang", api_base=sim.root_url,
+                      sglang_endpoint=endpoint)
+    summary = generate_dataset(cfg, "d", tmp_path / "out.jsonl", log=quiet)
+    assert summary["http_requests"] == 12
+    for rec in read_jsonl(tmp_path / "out.jsonl"):
+        truth = sim.truth("gen-" + rec["generation_id"])
+        assert rec["token_ids"] == truth["ids"]
+        assert rec["token_ids_info"]["prompt_echo"] == 5 and rec["token_ids_info"]["appended_stop"] is trim
+
+
+@pytest.mark.parametrize("endpoint, quirk", [("chat", {"sglang_chat_token_ids": False}),
+                                             ("chat", {"sglang_trim_stop": True})])
+def test_sglang_answers_without_usable_ids_stop_the_job(stand_in, tmp_path, monkeypatch, endpoint, quirk):
+    """An SGLang answer without usable token ids is the server's (its release, or a bug in it), so
+    every answer would be alike: the job stops at the first, having spent at most its ``concurrency``
+    (4) generations. Retried as a passing fault, each of 20 prompts was generated 4 times
+    (``max_attempts``, 6 by default), 80 whole generations for no id, and the job went on to the end.
+    Quirks: a chat endpoint that ignores ``return_token_ids`` (SGLang before #30917); ids without their
+    stop after tool calls (no matched stop reported: the missing id is unknown)."""
+    monkeypatch.delenv("OPENROUTER_API_KEY", raising=False)
+    sim = stand_in(api="sglang", **quirk)
+    prompts = write_prompts(tmp_path / "p.jsonl", 20, tools_every=1)
+    cfg = make_config(tmp_path, prompts, sim.tokenizer.source, backend="sglang", api_base=sim.root_url,
+                      sglang_endpoint=endpoint, tool_choice="required")
+    with pytest.raises(JobStopped, match="token_ids|output_ids") as err:
+        generate_dataset(cfg, "d", tmp_path / "out.jsonl", log=quiet)
+    assert sim.requests_total <= 4, sim.requests_total
+    assert "0 of its 20 samples are cached" in str(err.value)
+
+
+def test_sglang_ids_are_held_to_the_engines_completion_count():
+    """:func:`sglang_completion_ids` against the engine's own count: an echo of the prompt's end is
+    cut (with a trimmed stop, one more), extra ids that are not the prompt's end and ids too few to
+    complete are refused, and without a count the ids are taken as before."""
+    prompt, done = [1, 2, 3, 4, 5, 6, 7], [50, 51, 99]
+    assert sglang_completion_ids([3, 4, 5, 6, 7] + done, "stop", 99, prompt, 3)[0] == done
+    assert sglang_completion_ids([3, 4, 5, 6, 7, 50, 51], "stop", 99, prompt, 3)[0] == done
+    assert sglang_completion_ids(prompt + done, "stop", 99, prompt, 3)[1]["prompt_echo"] == 7
+    assert sglang_completion_ids([7, 7] + done, "stop", 99, prompt, 3)[0] is None
+    assert sglang_completion_ids([9] + done, "stop", 99, None, 3)[0] is None
+    assert "unknown" in sglang_completion_ids([50, 51], "tool_calls", None, prompt, 3)[1]["problem"]
+    assert sglang_completion_ids([50, 51], "length", None, prompt, 2)[0] == [50, 51]
+    assert sglang_completion_ids([50, 51], "stop", 99, prompt, None)[0] == done

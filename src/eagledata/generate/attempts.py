@@ -6,7 +6,8 @@ Faults. 408, 429, 5xx, timeouts (``generation.timeout_s`` per attempt), transpor
 inside 200 bodies, mid-stream errors and unparseable bodies are retried up to ``max_attempts`` with
 exponential backoff and jitter; a ``Retry-After`` is a lower bound, and after a 429 every worker
 waits it out (the limit is per key). Such an answer is never stored as a success. Other 4xx are
-final for that prompt: recorded (status and exact body) in the cache. 401 and 402 stop the job.
+final for that prompt: recorded (status and exact body) in the cache. 401 and 402 stop the job, and
+so does an SGLang answer without usable token ids (:data:`~eagledata.generate.answers.IDS_FATAL`).
 
 Budget. Every attempt reserves its worst-case cost in the ledger before it is sent; an answer
 settles it at its cost; a request that certainly was not sent settles it at 0; anything else that
@@ -28,7 +29,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
-from eagledata.generate.answers import Answer, interpret, retryable_status
+from eagledata.generate.answers import IDS_FATAL, Answer, interpret, retryable_status
 from eagledata.generate.budget import BudgetExhausted
 from eagledata.generate.cache import ResponseCache
 from eagledata.generate.openrouter import FINAL_STATUSES_FATAL
@@ -423,11 +424,14 @@ class GenerationJob:
                 self.ledger.orphan(ref, generation_id=gen.id, note="cancelled in flight")
             raise
         text = resp.body.decode("utf-8", errors="replace")
-        ans = interpret(self.work.settings.backend, self.native, resp.status, text)
+        ans = interpret(self.work.settings.backend, self.native, resp.status, text, item.request.get("input_ids"))
         gid = gen.id or ans.generation_id
         if resp.status in FINAL_STATUSES_FATAL and self.work.settings.backend == "openrouter":
             self.settle(ref, ans, gid, ans.cost or 0.0, note=f"HTTP {resp.status}")
             return Outcome("fatal", f"{FINAL_STATUSES_FATAL[resp.status]}: {ans.problem}")
+        if ans.where == IDS_FATAL:  # every answer of this server would be so: retrying spends whole generations
+            self.settle(ref, ans, gid, ans.cost or 0.0, note=ans.problem[:200])
+            return Outcome("fatal", ans.problem)
         if ans.ok or (resp.status != 200 and not retryable_status(resp.status)):
             return self.answered(item, resp.status, text, ans, gid, ref, attempt, started, t0)
         return self.retry_answer(resp, ans, gid, ref)

@@ -29,7 +29,8 @@ SGLang (``backend: sglang``, ``generation.api_base`` = the server root). ``sglan
 (default) sends SGLang's OpenAI-compatible ``/v1/chat/completions`` with ``return_token_ids`` (never
 streamed); ``generate`` sends the native ``/generate`` with ``input_ids`` rendered by the model's chat
 template. Either way the record gets ``token_ids``: see
-:func:`eagledata.generate.answers.sglang_completion_ids`.
+:func:`eagledata.generate.answers.sglang_completion_ids`; an answer without usable ids (a server that
+ignores ``return_token_ids``, ids its own completion count disagrees with) stops the job.
 """
 
 from __future__ import annotations

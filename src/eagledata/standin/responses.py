@@ -200,31 +200,42 @@ def pace_events(generated: list[int], latency_s: float, first_token_s: float, wr
 # SGLang shapes
 
 
-def sglang_output_ids(g: Generation, trim_stop: bool) -> tuple[list[int], int | None]:
+def sglang_output_ids(g: Generation, trim_stop: bool, echo: int = 0) -> tuple[list[int], int | None]:
     """The returned output ids and the matched stop id (the end of turn when the model stopped);
-    ``trim_stop`` leaves the matched stop id out of the ids (as some SGLang versions do)."""
+    ``trim_stop`` leaves the matched stop id out of the ids (no SGLang release found to; kept as a
+    defence), ``echo`` puts the prompt's last ``echo`` ids before them (SGLang releases whose
+    detokenizer returned its decode window, 5 prompt ids and the output, as ``output_ids``:
+    sgl-project/sglang issues #10896, #17240)."""
     ids = list(g.completion.ids)
     matched = ids[-1] if g.completion.stopped else None
     if matched is not None and trim_stop:
         ids = ids[:-1]
+    if echo > 0:
+        ids = list(g.completion.prompt_ids[-echo:]) + ids
     return ids, matched
 
 
-def sglang_chat_body(g: Generation, body: Mapping[str, Any], trim_stop: bool = False) -> str:
+def sglang_chat_body(g: Generation, body: Mapping[str, Any], trim_stop: bool = False, echo: int = 0,
+                     token_ids: bool = True) -> str:
     """SGLang's ``/v1/chat/completions`` answer: ``reasoning_content`` (reasoning parser),
-    ``tool_calls`` (tool-call parser, native ids), ``matched_stop``, and with
-    ``return_token_ids`` the choice's ``token_ids`` (the output ids) and
-    ``prompt_token_ids``; usage counts every output id (including the end of turn)."""
+    ``tool_calls`` (tool-call parser, native ids), ``matched_stop`` (``None`` after tool calls: SGLang's
+    tool-call parser turns a ``stop`` finish into ``tool_calls`` and clears the match), the choice's
+    ``token_ids`` (the output ids) with ``return_token_ids`` (``token_ids=False``: a server before
+    SGLang's ``return_token_ids`` on chat, sgl-project/sglang#30917, which ignores the field) and
+    ``prompt_token_ids`` with it or ``return_prompt_token_ids``; usage counts every output id
+    (including the end of turn)."""
     m = g.message
-    ids, matched = sglang_output_ids(g, trim_stop)
+    ids, matched = sglang_output_ids(g, trim_stop, echo)
     tool_calls = [{"id": c["id"], "index": i, "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
                   for i, c in enumerate(m.tool_calls)] or None
     choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": m.content or None,
                                                       "reasoning_content": m.reasoning, "tool_calls": tool_calls},
-                              "logprobs": None, "finish_reason": m.finish_reason, "matched_stop": matched}
-    if body.get("return_token_ids"):
+                              "logprobs": None, "finish_reason": m.finish_reason,
+                              "matched_stop": None if m.finish_reason == "tool_calls" else matched}
+    token_ids = token_ids and bool(body.get("return_token_ids"))
+    if token_ids:
         choice["token_ids"] = ids
-    if body.get("return_token_ids") or body.get("return_prompt_token_ids"):
+    if token_ids or body.get("return_prompt_token_ids"):
         choice["prompt_token_ids"] = g.completion.prompt_ids
     if body.get("return_meta_info"):
         choice["meta_info"] = {"id": g.id, "completion_tokens": len(g.completion.ids)}
@@ -234,11 +245,12 @@ def sglang_chat_body(g: Generation, body: Mapping[str, Any], trim_stop: bool = F
     return dumps({"id": g.id.removeprefix("gen-"), "object": "chat.completion", "created": g.created, "model": g.model,
                    "choices": [choice], "usage": usage, "metadata": {"weight_version": "default"}})
 
-def sglang_generate_body(g: Generation, body: Mapping[str, Any], tokenizer: Tokenizer, trim_stop: bool = False) -> str:
-    """SGLang's native ``/generate`` answer: ``text``, ``output_ids``, ``meta_info``
-    (``finish_reason`` {type, matched}, prompt/completion token counts)."""
+def sglang_generate_body(g: Generation, body: Mapping[str, Any], tokenizer: Tokenizer, trim_stop: bool = False,
+                         echo: int = 0) -> str:
+    """SGLang's native ``/generate`` answer: ``text``, ``output_ids`` (see :func:`sglang_output_ids`),
+    ``meta_info`` (``finish_reason`` {type, matched}, prompt/completion token counts)."""
     sp = body.get("sampling_params") or {}
-    ids, matched = sglang_output_ids(g, trim_stop)
+    ids, matched = sglang_output_ids(g, trim_stop, echo)
     full = g.completion.ids
     text_ids = full if (sp.get("no_stop_trim") or matched is None) else full[:-1]
     if sp.get("skip_special_tokens", True):

@@ -78,8 +78,11 @@ class SimulatorServer:
     or ``sglang`` (SGLang's ``/v1/chat/completions`` with ``return_token_ids`` and its native
     ``/generate``; see :func:`~eagledata.standin.responses.sglang_chat_body` and
     :func:`~eagledata.standin.responses.sglang_generate_body`);
-    ``sglang_trim_stop``: the SGLang stand-in leaves the matched stop id out of the returned ids (as
-    some SGLang versions do). ``price_per_mtok``: ``{"prompt": usd, "completion": usd}`` per million
+    ``sglang_trim_stop``: the SGLang stand-in leaves the matched stop id out of the returned ids;
+    ``sglang_prompt_echo``: its output ids start with the prompt's last N ids (5 in SGLang releases
+    whose detokenizer returned its decode window); ``sglang_chat_token_ids=False``: its chat endpoint
+    ignores ``return_token_ids``, as SGLang did before sgl-project/sglang#30917 (see
+    :func:`~eagledata.standin.responses.sglang_output_ids`). ``price_per_mtok``: ``{"prompt": usd, "completion": usd}`` per million
     tokens (or a pair). ``faults``: ``{request_number: Fault | "429" | ...}`` (1-based, over
     completion requests) or a callable ``(request_number, body) -> Fault | str | None``.
     ``latency_ms`` (+ up to ``latency_jitter_ms``) is spent before the answer's body, after its
@@ -104,6 +107,7 @@ class SimulatorServer:
                  price_per_mtok: Mapping[str, float] | Sequence[float] | None = None,
                  faults: FaultPlan = None, host: str = "127.0.0.1", port: int = 0,
                  max_generations: int = 50_000, api: str = "openrouter", sglang_trim_stop: bool = False,
+                 sglang_prompt_echo: int = 0, sglang_chat_token_ids: bool = True,
                  latency_jitter_ms: float = 0, paced_streams: bool = False, first_token_ms: float | None = None,
                  stream_write_ms: float = 20, **model_options: Any):
         if api not in ("openrouter", "sglang"):
@@ -114,6 +118,7 @@ class SimulatorServer:
         self.latency_ms, self.latency_jitter_ms = latency_ms, latency_jitter_ms
         self.paced_streams, self.first_token_ms, self.stream_write_ms = paced_streams, first_token_ms, stream_write_ms
         self.api, self.sglang_trim_stop = api, sglang_trim_stop
+        self.sglang_prompt_echo, self.sglang_chat_token_ids = sglang_prompt_echo, sglang_chat_token_ids
         if price_per_mtok is None:
             price_per_mtok = {"prompt": 0.6, "completion": 2.5}
         if not isinstance(price_per_mtok, Mapping):
@@ -425,8 +430,9 @@ class SimulatorServer:
             if failing:
                 text = dumps(sglang_error_body(500, fault.message or "Internal server error"))
             else:
-                text = (sglang_chat_body(g, body, self.sglang_trim_stop) if kind == "chat"
-                        else sglang_generate_body(g, body, self.tokenizer, self.sglang_trim_stop))
+                trim, echo = self.sglang_trim_stop, self.sglang_prompt_echo
+                text = (sglang_chat_body(g, body, trim, echo, self.sglang_chat_token_ids) if kind == "chat"
+                        else sglang_generate_body(g, body, self.tokenizer, trim, echo))
                 if malformed:
                     text = text[: len(text) // 2]
             return pre + [("sleep", self._latency())] + self._send(200, text)

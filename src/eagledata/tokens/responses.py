@@ -494,3 +494,20 @@ def _parse_sglang_native(body: dict) -> ParsedResponse:
         message = finish.get("message") if isinstance(finish, dict) else None
         out.error = ResponseError("abort", str(message or "request aborted"), "finish")
     return out
+
+
+def prompt_echo(ids: Any, prompt: Any, count: Any, stop_to_append: bool = False) -> int | None:
+    """How many ids at the start of an engine's returned ``ids`` repeat the end of its ``prompt``
+    ids, by its own completion ``count`` (SGLang releases whose detokenizer returned its decode
+    window, the prompt's last 5 ids and the output, as ``output_ids``: sgl-project/sglang issues
+    #10896, #17240): 0 when the ids are not more than the count (or no count is known), ``k`` when
+    the ``k`` ids too many are exactly the prompt's last ``k``, ``None`` when they are not.
+    ``stop_to_append``: the ids leave out a matched stop id that will be appended (one id fewer)."""
+    if not isinstance(count, int) or isinstance(count, bool) or not isinstance(ids, list):
+        return 0
+    k = len(ids) - count + (1 if stop_to_append else 0)
+    if k <= 0:
+        return 0
+    if not isinstance(prompt, list) or k > len(prompt) or ids[:k] != prompt[-k:]:
+        return None
+    return k
