@@ -458,3 +458,21 @@ def test_sglang_ids_are_held_to_the_engines_completion_count():
     assert "unknown" in sglang_completion_ids([50, 51], "tool_calls", None, prompt, 3)[1]["problem"]
     assert sglang_completion_ids([50, 51], "length", None, prompt, 2)[0] == [50, 51]
     assert sglang_completion_ids([50, 51], "stop", 99, prompt, None)[0] == done
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "generate"])
+def test_an_aborted_sglang_generation_is_asked_again(stand_in, tmp_path, monkeypatch, endpoint):
+    """SGLang answers a generation it aborted part-way (``/abort_request``, a shutdown, a retraction)
+    with a 200 whose finish is ``abort``. On the chat endpoint it was stored as a success: cached, so
+    never asked again, its half of a reply a mismatch in the tokens stage and, with ``turns: all``,
+    the next turn's history. Now it is retried like the native endpoint's abort."""
+    monkeypatch.delenv("OPENROUTER_API_KEY", raising=False)
+    sim = stand_in(api="sglang", faults={2: "abort"})
+    prompts = write_prompts(tmp_path / "p.jsonl", 6, tools_every=0)
+    cfg = make_config(tmp_path, prompts, sim.tokenizer.source, backend="sglang", api_base=sim.root_url,
+                      sglang_endpoint=endpoint)
+    summary = generate_dataset(cfg, "d", tmp_path / "out.jsonl", log=quiet)
+    assert summary["http_requests"] == 7
+    for rec in read_jsonl(tmp_path / "out.jsonl"):
+        assert rec["token_ids"] == sim.truth("gen-" + rec["generation_id"])["ids"]
+        assert "abort" not in rec["response_raw"]

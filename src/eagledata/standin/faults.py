@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-FAULT_KINDS = ("error_in_200", "mid_stream", "hang", "disconnect", "reset", "malformed", "no_usage")
+FAULT_KINDS = ("error_in_200", "mid_stream", "hang", "disconnect", "reset", "malformed", "no_usage", "abort")
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,8 @@ class Fault:
     ``disconnect`` (close the connection without an answer), ``reset`` (abort it with a TCP RST),
     ``malformed`` (a 200 whose JSON body, or one stream chunk, is cut short), ``no_usage`` (a whole,
     billed answer that reports no cost nor counts: a JSON body without ``usage``, a stream cut after
-    its finish chunk, before its usage chunk and ``[DONE]``).
+    its finish chunk, before its usage chunk and ``[DONE]``), ``abort`` (SGLang: a 200 whose
+    generation the server aborted part-way, finish ``abort``; OpenRouter: ``error_in_200``).
     """
 
     kind: str
@@ -37,7 +38,8 @@ class Fault:
     @classmethod
     def parse(cls, spec: "str | Fault") -> "Fault":
         """``"429"``, ``"429:2"`` (Retry-After 2 s), ``"502"``, ``"503"``, ``"error-in-200"``,
-        ``"mid-stream"``, ``"hang:5"``, ``"disconnect"``, ``"reset"``, ``"malformed"``, ``"no-usage"``."""
+        ``"mid-stream"``, ``"hang:5"``, ``"disconnect"``, ``"reset"``, ``"malformed"``, ``"no-usage"``,
+        ``"abort"``."""
         if isinstance(spec, Fault):
             return spec
         name, _, arg = str(spec).partition(":")

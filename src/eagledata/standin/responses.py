@@ -261,3 +261,25 @@ def sglang_generate_body(g: Generation, body: Mapping[str, Any], tokenizer: Toke
             "weight_version": "default", "completion_tokens": len(full), "cached_tokens": 0,
             "e2e_latency": round(g.latency_ms / 1000, 4)}
     return dumps({"text": tokenizer.decode(text_ids), "output_ids": ids, "meta_info": meta})
+
+
+def sglang_aborted(text: str, kind: str) -> str:
+    """An SGLang answer (``text``, of endpoint ``kind``: chat or generate) as the server answers a
+    generation it aborted part-way (``/abort_request``, a shutdown, a request retracted for memory):
+    a 200 whose finish is ``abort``, with the output up to then (here: half its ids and text)."""
+    body = json.loads(text)
+    if kind == "chat":
+        choice = body["choices"][0]
+        choice.update(finish_reason="abort", matched_stop=None)
+        choice["message"].update(content=(choice["message"]["content"] or "")[: len(choice["message"]["content"] or "") // 2],
+                                 tool_calls=None)
+        if "token_ids" in choice:
+            choice["token_ids"] = choice["token_ids"][: len(choice["token_ids"]) // 2]
+        body["usage"]["completion_tokens"] //= 2
+        return dumps(body)
+    body["output_ids"] = body["output_ids"][: len(body["output_ids"]) // 2]
+    body["text"] = body["text"][: len(body["text"]) // 2]
+    meta = body["meta_info"]
+    meta.update(finish_reason={"type": "abort", "message": "Abort request " + str(meta["id"])},
+                completion_tokens=len(body["output_ids"]))
+    return dumps(body)

@@ -54,6 +54,7 @@ from eagledata.standin.responses import (
     dumps,
     json_body,
     prompt_hash,
+    sglang_aborted,
     sglang_chat_body,
     sglang_generate_body,
     pace_events,
@@ -422,12 +423,12 @@ class SimulatorServer:
             g = self.make_generation(body, raw)
         except (RequestError, ChatTemplateError) as exc:
             return pre + self._error(400, str(exc))
-        failing = fault is not None and fault.kind in ("error_in_200", "mid_stream")
+        failing = fault is not None and fault.kind in ("error_in_200", "mid_stream", "abort")
         malformed = fault is not None and fault.kind == "malformed"
         no_usage = fault is not None and fault.kind == "no_usage"
         if self.api == "sglang":
             self._bill(g)
-            if failing:
+            if failing and fault.kind != "abort":
                 text = dumps(sglang_error_body(500, fault.message or "Internal server error"))
             else:
                 trim, echo = self.sglang_trim_stop, self.sglang_prompt_echo
@@ -435,6 +436,8 @@ class SimulatorServer:
                         else sglang_generate_body(g, body, self.tokenizer, trim, echo))
                 if malformed:
                     text = text[: len(text) // 2]
+                if failing:
+                    text = sglang_aborted(text, kind)
             return pre + [("sleep", self._latency())] + self._send(200, text)
         gen_header = {"X-Generation-Id": g.id}
         if not stream:
