@@ -117,6 +117,43 @@ def test_native_generate_records_are_read_through_their_chat_request(reasoning, 
             assert ("think_close" in kinds) is (reasoning is None)
 
 
+@pytest.mark.parametrize("endpoint", ["chat", "generate"])
+def test_ids_stored_with_the_engines_prompt_echo_are_cut_in_the_tokens_stage(endpoint, demo_tok, tmp_path, monkeypatch):
+    """Records generated before eagledata cut it hold SGLang's echo of the prompt's last 5 ids before
+    the completion (releases whose detokenizer returned its decode window: sglang issues #10896,
+    #17240): all 12 a mismatch, the GPU time spent on them lost. The tokens stage cuts the ids too
+    many by the engine's own completion count when they are exactly the prompt's end (repaired,
+    ``engine_prompt_echo``), and never ids that are not."""
+    from eagledata.generate.job import generate_dataset
+
+    monkeypatch.delenv("OPENROUTER_API_KEY", raising=False)
+    tok, fam = demo_tok
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in demo_prompts()[:12]))
+    with SimulatorServer(tok, fam, seed=SEED, api="sglang") as sim:
+        cfg = {"cache_dir": str(tmp_path / "cache"), "results_dir": str(tmp_path / "results"),
+               "models": {"m": {"family": "kimi-k2.5", "tokenizer": tok.source}},
+               "generation": {"api_base": sim.root_url, "max_tokens": 4096, "sglang_endpoint": endpoint},
+               "datasets": {"d": {"prompts": str(prompts), "model": "m", "backend": "sglang"}}}
+        out = tmp_path / "out.jsonl"
+        generate_dataset(cfg, "d", out, log=lambda _m: None)
+        truths = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    old = tmp_path / "old.jsonl"  # as stored before: the echo kept; one record's extra ids are not the prompt's
+    with old.open("w") as fh:
+        for i, rec in enumerate(truths.values()):
+            prompt = rec.get("prompt_token_ids") or rec["request"]["input_ids"]
+            fh.write(json.dumps({**rec, "token_ids": (prompt[-5:] if i else [7] * 5) + rec["token_ids"]}) + "\n")
+    build_token_shards(old, tmp_path / "tokens", tok, fam, "d")
+    rows = {r["id"]: r for r in read_shards(tmp_path / "tokens").iter_rows(named=True)}
+    for i, (rid, rec) in enumerate(truths.items()):
+        row = rows[rid]
+        if i == 0:
+            assert row["verdict"] == "mismatch" and "engine_prompt_echo" not in row["reasons"]
+            continue
+        assert row["verdict"] == "repaired" and "engine_prompt_echo" in row["reasons"], row["reasons"]
+        assert row["input_ids"][row["prompt_len"]:] == rec["token_ids"]
+
+
 @pytest.mark.parametrize("model", ["k2", "k25"])
 def test_a_compacting_provider_teaches_no_wrong_count_convention(model, request, tmp_path):
     """Stand-in provider ``no-eot-compact-args`` re-serializes tool arguments as compact JSON and bills

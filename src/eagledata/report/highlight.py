@@ -68,6 +68,7 @@ IMPLICATED: dict[str, tuple[str | None, str]] = {
     "reasoning_count_unreported": (None, "no token: the provider reports 0 reasoning tokens"),
     "content_empty_after_reasoning": (None, "no token: the answer is reasoning alone"),
     "reasoning_count_unchecked": (None, "no token: this provider's reasoning count is not a checksum; the total was checked"),
+    "engine_prompt_echo": (None, "no completion token: the prompt's ids the engine returned before them were cut"),
     "ground_truth_ids": (None, "no token: the serving engine returned these ids itself"),
     "text_path_differs": (None, "no token marked: the engine's ids are used; the text path would have differed"),
     "prompt_path_differs": (None, "no token: the engine's prompt ids differ from our template rendering"),

@@ -82,6 +82,9 @@ REASONS: dict[str, tuple[str, str]] = {
     "whitespace_ambiguous": ("block", "this provider strips leading spaces and the counts match with and without one: the ids cannot be singled out"),
     "tool_arguments_ambiguous": ("block", "tool arguments came as compact JSON and the counts match with and without "
                                           "the model's spacing: the ids cannot be singled out"),
+    "engine_prompt_echo": ("repair", "the engine's ids began with the prompt's last ids (SGLang releases whose "
+                           "detokenizer returned its decode window as output_ids), so many more than its own "
+                           "completion count: they were cut"),
     "ground_truth_ids": ("info", "the completion ids came from the serving engine itself (no reconstruction)"),
     "text_path_differs": ("info", "reconstructing from the returned text would have given different ids than the engine returned"),
     "prompt_path_differs": ("info", "the engine's prompt ids differ from our chat-template rendering (the engine's are used)"),

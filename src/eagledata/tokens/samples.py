@@ -14,7 +14,7 @@ from typing import Any, Mapping
 from eagledata.text.chat import ChatTemplateError, prompt_ids, request_thinking, sorts_tool_keys, tool_declaration_of
 from eagledata.text.families import ModelFamily
 from eagledata.tokens.reconstruct import Reconstruction, count_tool_calls, reconstruct_completion, segment_ids
-from eagledata.tokens.responses import ParsedResponse, ResponseError, parse_response
+from eagledata.tokens.responses import ParsedResponse, ResponseError, parse_response, prompt_echo
 from eagledata.text.tokenizer import Tokenizer
 from eagledata.text.tool_declaration import in_deep_sorted_order
 
@@ -81,8 +81,12 @@ def tokenize_record(
     truth = record.get("token_ids")
     from_engine = False
     if isinstance(truth, list) and parsed.error is None:
-        completion = _ground_truth(truth, completion, tokenizer, family)
         server_prompt = record.get("prompt_token_ids") or sent.get("input_ids")
+        # ids stored before eagledata cut the prompt's end some SGLang releases put before them
+        echo = prompt_echo(truth, server_prompt, parsed.completion_tokens)
+        completion = _ground_truth(truth[echo:] if echo else truth, completion, tokenizer, family)
+        if echo:
+            completion.flags.append("engine_prompt_echo")
         if isinstance(server_prompt, list):
             if server_prompt != p_ids:
                 completion.flags.append("prompt_path_differs")
