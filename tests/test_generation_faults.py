@@ -15,6 +15,7 @@ import pytest
 from eagledata.generate.answers import sglang_completion_ids
 from eagledata.generate.errors import GenerationError, Interrupted, JobStopped
 from eagledata.generate.job import generate_dataset
+from eagledata.generate.requests import dataset_work
 from eagledata.generate.progress import Progress
 from eagledata.tokens.responses import parse_response
 from eagledata.standin.server import SimulatorServer, prompt_hash
@@ -476,3 +477,24 @@ def test_an_aborted_sglang_generation_is_asked_again(stand_in, tmp_path, monkeyp
     for rec in read_jsonl(tmp_path / "out.jsonl"):
         assert rec["token_ids"] == sim.truth("gen-" + rec["generation_id"])["ids"]
         assert "abort" not in rec["response_raw"]
+
+
+def test_thinking_turned_off_reaches_sglangs_chat_template(stand_in, tmp_path, monkeypatch):
+    """``reasoning: {enabled: false}`` (OpenRouter's off switch) is no off switch to SGLang's chat
+    endpoint: its protocol takes ``reasoning.enabled`` only to turn thinking on (releases before
+    sgl-project/sglang#9715 read no ``reasoning`` at all), so K2.5's template thought: 12 of 12
+    answers were thinking ones, judged exact (the engine's prompt ids, only noted as differing from
+    ours). The body now also says it the way SGLang's template step reads it; with thinking on the
+    body is as before (its cached answers are kept)."""
+    monkeypatch.delenv("OPENROUTER_API_KEY", raising=False)
+    sim = stand_in(api="sglang")
+    prompts = write_prompts(tmp_path / "p.jsonl", 12)
+    cfg = make_config(tmp_path, prompts, sim.tokenizer.source, backend="sglang", api_base=sim.root_url,
+                      reasoning={"enabled": False}, extra_body={"chat_template_kwargs": {"other": 1}})
+    generate_dataset(cfg, "d", tmp_path / "out.jsonl", log=quiet)
+    for rec in read_jsonl(tmp_path / "out.jsonl"):
+        truth = sim.truth("gen-" + rec["generation_id"])
+        assert truth["thinking"] is False and rec["prompt_token_ids"] == truth["prompt_ids"]
+        assert rec["request"]["chat_template_kwargs"] == {"thinking": False, "other": 1}
+    cfg["generation"].update(reasoning={"enabled": True}, extra_body={})
+    assert "chat_template_kwargs" not in dataset_work(cfg, "d").items[0].request

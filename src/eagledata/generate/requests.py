@@ -60,11 +60,20 @@ def build_request(prompt: Prompt, settings: DatasetSettings, sample_index: int =
 
 def sglang_chat_request(body: Mapping[str, Any]) -> dict[str, Any]:
     """An OpenRouter body as SGLang's ``/v1/chat/completions`` body: no ``provider``/``usage``
-    (OpenRouter's), never streamed, and the generated (and prompt) token ids requested."""
+    (OpenRouter's), never streamed, and the generated (and prompt) token ids requested. Thinking
+    turned off (``reasoning.enabled: false`` or effort ``none``) is also said the way SGLang's chat
+    template step reads it, ``chat_template_kwargs.thinking: false`` (unless ``extra_body`` sets it):
+    SGLang takes ``reasoning.enabled`` only as a switch on, and releases before
+    sgl-project/sglang#9715 read no ``reasoning`` at all, so K2.5 thought in every answer."""
+    from eagledata.text.chat import request_thinking
+
     out = {k: v for k, v in body.items() if k not in ("provider", "usage", "stream")}
     out["stream"] = False
     out["return_token_ids"] = True
     out["return_prompt_token_ids"] = True
+    if request_thinking(body) is False:
+        kwargs = out.get("chat_template_kwargs")
+        out["chat_template_kwargs"] = {"thinking": False, **(kwargs if isinstance(kwargs, Mapping) else {})}
     return out
 
 

@@ -200,6 +200,33 @@ def pace_events(generated: list[int], latency_s: float, first_token_s: float, wr
 # SGLang shapes
 
 
+def sglang_chat_thinking(body: Mapping[str, Any]) -> bool | None:
+    """Whether SGLang's ``/v1/chat/completions`` renders ``body`` with thinking on (``None``: the
+    template's default, thinking for K2.5), by SGLang's rules (its protocol's reasoning inputs, as of
+    2026): ``chat_template_kwargs`` ``thinking``/``enable_thinking`` first, then a reasoning effort
+    (``reasoning_effort``, ``reasoning.effort``: ``none`` is off), then ``reasoning.enabled: true``.
+    ``reasoning.enabled: false`` (OpenRouter's off switch) is not among them: it changes nothing."""
+    ctk = body.get("chat_template_kwargs") if isinstance(body.get("chat_template_kwargs"), Mapping) else {}
+    for key in ("thinking", "enable_thinking"):
+        if ctk.get(key) is not None:
+            return bool(ctk[key])
+    r = body.get("reasoning") if isinstance(body.get("reasoning"), Mapping) else {}
+    effort = body.get("reasoning_effort") or r.get("effort") or r.get("reasoning_effort")
+    if effort is not None:
+        return effort != "none"
+    return True if r.get("enabled", r.get("enable")) else None
+
+
+def sglang_chat_engine_request(body: Mapping[str, Any]) -> dict[str, Any]:
+    """``body`` as the stand-in's model reads it (OpenRouter's ``reasoning.enabled``) with the thinking
+    SGLang would render it with (:func:`sglang_chat_thinking`)."""
+    out = {k: v for k, v in body.items() if k != "reasoning"}
+    thinking = sglang_chat_thinking(body)
+    if thinking is not None:
+        out["reasoning"] = {"enabled": thinking}
+    return out
+
+
 def sglang_output_ids(g: Generation, trim_stop: bool, echo: int = 0) -> tuple[list[int], int | None]:
     """The returned output ids and the matched stop id (the end of turn when the model stopped);
     ``trim_stop`` leaves the matched stop id out of the ids (no SGLang release found to; kept as a

@@ -56,6 +56,7 @@ from eagledata.standin.responses import (
     prompt_hash,
     sglang_aborted,
     sglang_chat_body,
+    sglang_chat_engine_request,
     sglang_generate_body,
     pace_events,
     sse_stream,
@@ -419,6 +420,8 @@ class SimulatorServer:
         stream = bool(body.get("stream"))
         if self.api == "sglang" and kind == "chat" and stream and body.get("return_token_ids"):
             return pre + self._error(400, "return_token_ids is not supported with stream=True for chat completions")
+        if self.api == "sglang" and kind == "chat":
+            body = sglang_chat_engine_request(body)  # the thinking SGLang renders the prompt with
         try:
             g = self.make_generation(body, raw)
         except (RequestError, ChatTemplateError) as exc:
