@@ -25,6 +25,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", default="exact", choices=sorted(PROFILES))
     ap.add_argument("--api", default="openrouter", choices=("openrouter", "sglang"))
+    ap.add_argument("--sglang-trim-stop", action="store_true", help="--api sglang: leave the matched stop id out of the ids")
+    ap.add_argument("--sglang-prompt-echo", type=int, default=0, metavar="N",
+                    help="--api sglang: put the prompt's last N ids before the output ids (5: SGLang releases whose "
+                         "detokenizer returned its decode window)")
+    ap.add_argument("--sglang-no-chat-token-ids", action="store_true",
+                    help="--api sglang: the chat endpoint ignores return_token_ids (SGLang before #30917)")
     ap.add_argument("--latency-ms", type=float, default=0, help="each answer's latency (its body, or its whole paced stream)")
     ap.add_argument("--latency-jitter-ms", type=float, default=0, help="adds uniform(0, this) to each latency")
     ap.add_argument("--paced-streams", action="store_true",
@@ -60,7 +66,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     server = SimulatorServer(tok, family, seed=args.seed, profile=args.profile, latency_ms=args.latency_ms,
                              latency_jitter_ms=args.latency_jitter_ms, paced_streams=args.paced_streams,
                              first_token_ms=args.first_token_ms, stream_write_ms=args.stream_write_ms, price_per_mtok=tuple(args.price), faults=faults,
-                             host=args.host, port=args.port, api=args.api, **options).start()
+                             host=args.host, port=args.port, api=args.api, sglang_trim_stop=args.sglang_trim_stop,
+                             sglang_prompt_echo=args.sglang_prompt_echo,
+                             sglang_chat_token_ids=not args.sglang_no_chat_token_ids, **options).start()
     if args.port_file:
         Path(args.port_file).write_text(str(server.port))
     print(f"simulator ({args.api}, {args.profile}, {family.name}) listening: {server.base_url} "
