@@ -498,3 +498,33 @@ def test_thinking_turned_off_reaches_sglangs_chat_template(stand_in, tmp_path, m
         assert rec["request"]["chat_template_kwargs"] == {"thinking": False, "other": 1}
     cfg["generation"].update(reasoning={"enabled": True}, extra_body={})
     assert "chat_template_kwargs" not in dataset_work(cfg, "d").items[0].request
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "generate"])
+def test_a_new_model_behind_the_same_sglang_address_is_not_answered_from_the_cache(stand_in, tmp_path, monkeypatch,
+                                                                                   endpoint):
+    """The key names the server's address, not its weights: answers record the model path the server
+    reports, and a job whose server now serves another one stops before anything is requested or
+    written (before: the old checkpoint's 6 answers output as the new one's, 0 requests). A new
+    ``models.NAME.revision`` makes the new checkpoint's requests new ones."""
+    monkeypatch.delenv("OPENROUTER_API_KEY", raising=False)
+    sim = stand_in(api="sglang", model_path="/models/kimi-k2.5-step-1000")
+    prompts = write_prompts(tmp_path / "p.jsonl", 6)
+    cfg = make_config(tmp_path, prompts, sim.tokenizer.source, backend="sglang", api_base=sim.root_url + "/v1",
+                      sglang_endpoint=endpoint)
+    out = tmp_path / "out.jsonl"
+    generate_dataset(cfg, "d", out, log=quiet)
+    assert {r["served_model"] for r in read_jsonl(out)} == {"/models/kimi-k2.5-step-1000"}
+    first = out.read_bytes()
+    generate_dataset(cfg, "d", out, log=quiet)  # the same model: all cached
+    assert sim.requests_total == 6
+
+    sim.model_path = "/models/kimi-k2.5-step-2000"
+    with pytest.raises(GenerationError, match=r"serves '/models/kimi-k2.5-step-2000' now, but cached answers .* "
+                                              r"\(6 by '/models/kimi-k2.5-step-1000'\).*models\.m\.revision"):
+        generate_dataset(cfg, "d", out, log=quiet)
+    assert sim.requests_total == 6 and out.read_bytes() == first
+    cfg["models"]["m"]["revision"] = "step-2000"
+    summary = generate_dataset(cfg, "d", out, log=quiet)
+    assert summary["requested"] == 6 and sim.requests_total == 12
+    assert {r["served_model"] for r in read_jsonl(out)} == {"/models/kimi-k2.5-step-2000"}

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from eagledata.generate.answers import IDS_FATAL, Answer, interpret, retryable_status
 from eagledata.generate.budget import BudgetExhausted
-from eagledata.generate.cache import ResponseCache
+from eagledata.generate.cache import SERVED_FIELD, ResponseCache
 from eagledata.generate.openrouter import FINAL_STATUSES_FATAL
 from eagledata.generate.progress import Log
 from eagledata.generate.requests import DatasetWork, WorkItem, uses_native_endpoint
@@ -128,6 +128,7 @@ class GenerationJob:
         self.tasks: list[asyncio.Task] = []
         self.headers = {**cs.headers, "Content-Type": "application/json"}
         self.claims: Any = None  # RequestClaims (eagledata.generate.carryover) of a dedup dataset
+        self.served_model: str | None = None  # SGLang: the model path the server reports, in each answer
         self.answers_ok = 0
         self.alike_finals: tuple[tuple[int | None, str], int] = ((None, ""), 0)  # the last answers' final error, how many
 
@@ -490,7 +491,8 @@ class GenerationJob:
                "elapsed_s": round(time.monotonic() - t0, 3), "attempts": attempt, "generation_id": gid,
                "token_ids": ans.extra.get("token_ids"),
                **{k: ans.extra[k] for k in ("prompt_token_ids", "token_ids_info") if k in ans.extra},
-               "ledger_ref": ref, "cost": cost, "provider": ans.provider}
+               "ledger_ref": ref, "cost": cost, "provider": ans.provider,
+               **({SERVED_FIELD: self.served_model} if self.served_model else {})}
         if "messages" not in item.request:  # native SGLang: the same request in chat form
             rec["chat_request"] = item.chat_request
         return Outcome("ok" if ans.ok else "final", ans.problem, line=cache_line(rec, item.body_json, text), status=status,

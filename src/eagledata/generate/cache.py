@@ -27,6 +27,9 @@ from eagledata.io import atomic_path
 Log = Callable[[str], None]
 
 FSYNC_INTERVAL_S = 0.5
+#: A record's field naming the model path the SGLang server that answered it reported
+#: (:mod:`eagledata.generate.servedmodel`).
+SERVED_FIELD = "served_model"
 #: The field of a retry marker: a line that forgets the final error cached before it for its key
 #: (``eagledata retry``), so that the next job requests it again. The file stays append-only.
 RETRY_FIELD = "retry"
@@ -64,6 +67,9 @@ class ResponseCache:
         self._settings_seen: set[bytes | str] = set()
         self.not_answered: set[str] = set()  # keys whose record is not known to be a status-200 answer
         self.aliases: dict[str, str] = {}  # key -> the key of its record, cached in another spelling (alias)
+        # key -> the model path the SGLang server reported when it answered (records that name one)
+        self.served: dict[str, str] = {}
+        self._served_names: dict[str, str] = {}  # one string per model path
         self.forgotten: set[str] = set()  # keys whose final error a retry marker forgot (asked again on purpose)
         self.skipped_lines = 0
         self.pending: list[tuple[str, bytes]] = []  # received, not (known to be) in the file
@@ -88,6 +94,7 @@ class ResponseCache:
         self.not_answered.clear()
         self.aliases.clear()
         self.forgotten.clear()
+        self.served.clear()
         if not self.path.exists():
             return self.index
         offset = 0
@@ -115,6 +122,11 @@ class ResponseCache:
             self.not_answered.discard(key)
         else:
             self.not_answered.add(key)
+        served = rec.get(SERVED_FIELD)
+        if isinstance(served, str):
+            self.served[key] = self._served_names.setdefault(served, served)
+        else:
+            self.served.pop(key, None)
         self._keep_spelling(rec)
         if rec.get("ledger_ref"):
             self.refs[rec["ledger_ref"]] = {"cost": rec.get("cost"), "provider": rec.get("provider"),

@@ -63,6 +63,7 @@ from eagledata.generate.requests import (DEFAULT_API_BASE, DatasetWork, WorkItem
 from eagledata.generate.rescue import free_space
 from eagledata.generate.respell import Respeller
 from eagledata.generate.retries import ClientSettings
+from eagledata.generate.servedmodel import MODEL_INFO_PATH, check_cached_answers, served_model_path
 from eagledata.generate.turns import TurnPlanner, TurnState, conversation_summary
 from eagledata.io import atomic_write_json, sha256_file
 
@@ -71,7 +72,8 @@ RECORD_FIELDS = ("id", "prompt_id", "sample_index", "request", "status", "respon
                  "backend", "started_at", "elapsed_s", "attempts", "generation_id", "token_ids")
 #: Fields present only where they apply (SGLang backend; native endpoint; ``turns: all``; an answer
 #: carried over from another dataset's cache, :mod:`eagledata.generate.carryover`).
-OPTIONAL_FIELDS = ("prompt_token_ids", "token_ids_info", "chat_request", "conversation", "turn", "carried_from")
+OPTIONAL_FIELDS = ("prompt_token_ids", "token_ids_info", "chat_request", "conversation", "turn", "carried_from",
+                   "served_model")
 
 
 @dataclass
@@ -98,6 +100,7 @@ class Run:
     carried: dict[str, int] = field(default_factory=dict)  # answers carried over, per dataset they came from
     respeller: Respeller | None = None  # answers cached under another spelling of the same settings
     claims: RequestClaims | None = None  # requests claimed across datasets while sent (dedup: false: never waits)
+    served_model: str | None = None  # SGLang: the model path the server reports (recorded in each answer)
     prompts_sha256: str = ""  # of the prompts file as the job read it (:func:`check_prompts_unchanged`)
 
 
@@ -195,6 +198,22 @@ def open_cache(run: Run) -> None:
     s = run.settings
     run.log(f"generate {run.dataset}: {len(run.work.prompts)} prompts, {len(run.work.items)} samples; {run.n_cached} "
             f"cached in {cache.path}, {len(run.todo)} to request ({s.backend}, model {s.api_model})")
+
+
+async def check_served_model(run: Run) -> None:
+    """SGLang: ask the server which model path it serves (noted in each new answer) and refuse cached
+    answers of another this job would output (:mod:`eagledata.generate.servedmodel`)."""
+    if run.settings.backend != "sglang":
+        return
+    assert run.cache is not None
+    root = normalized_api_base(run.settings)
+    run.served_model = await served_model_path(root, run.headers)
+    if run.served_model is None:
+        run.log(f"warning: the SGLang server at {root} did not say which model it serves (GET {MODEL_INFO_PATH}): "
+                "the cached answers are not checked against it, and new answers do not record it")
+        return
+    check_cached_answers(run.served_model, run.cache, (it.cache_key for it in run.work.items), run.dataset,
+                         run.settings.model_name, root)
 
 
 def carry_answers(run: Run) -> None:
@@ -339,6 +358,7 @@ async def run_requests(run: Run, ledger: BudgetLedger, progress_stream: Any) -> 
     progress = Progress(f"generate {run.dataset}", len(run.todo), run.log, stream=progress_stream)
     cache.open()
     job = run.job = GenerationJob(run.work, list(run.todo.values()), cs, cache, session, progress, run.log, reserve, price)
+    job.served_model = run.served_model
     if run.claims is not None:  # the start's carry-over looked for these keys already
         job.claims = run.claims
         run.claims.want(run.todo, scanned=True)
@@ -554,6 +574,7 @@ async def generate_dataset_async(config: Mapping[str, Any], dataset: str, output
     lock = await take_cache_lock(run.config, dataset, log)
     try:
         open_cache(run)
+        await check_served_model(run)
         run_preflight(run, output_path)  # before the ledger is opened and the first request is sent
         await request_missing(run, progress_stream)
         elapsed = time.monotonic() - t_start

@@ -120,13 +120,15 @@ def normalized_api_base(settings: DatasetSettings) -> str:
 
 
 def endpoint_salt(settings: DatasetSettings) -> dict[str, Any] | None:
-    """What, beyond the body, selects the model that answers: a non-default endpoint."""
+    """What, beyond the body, selects the model that answers: a non-default endpoint, and the model's
+    ``revision`` where the config labels the weights served."""
+    revision = {"revision": settings.model["revision"]} if settings.model.get("revision") else {}
     if settings.backend == "simulator":
         return None
     base = normalized_api_base(settings)
     if settings.backend == "sglang":
-        return {"endpoint": base, "sglang": settings.generation.get("sglang_endpoint", "chat")}
-    return None if base == DEFAULT_API_BASE else {"endpoint": base}
+        return {"endpoint": base, "sglang": settings.generation.get("sglang_endpoint", "chat"), **revision}
+    return {**({} if base == DEFAULT_API_BASE else {"endpoint": base}), **revision} or None
 
 
 #: Host names of this machine's loopback interface: one server, however the endpoint names it.
@@ -161,7 +163,9 @@ def equivalent_salts(salt: Mapping[str, Any] | None) -> list[dict[str, Any] | No
     for h in hosts:
         for pt in ports:
             spelled = f"{url.scheme.lower()}://{h}{pt}{url.path}" + (f"?{url.query}" if url.query else "")
-            other = None if spelled == DEFAULT_API_BASE and "sglang" not in salt else {**salt, "endpoint": spelled}
+            other: dict[str, Any] | None = {**salt, "endpoint": spelled}
+            if spelled == DEFAULT_API_BASE and "sglang" not in salt:  # the default base has no endpoint salt
+                other = {k: v for k, v in salt.items() if k != "endpoint"} or None
             if other != salt and other not in out:
                 out.append(other)
     return out

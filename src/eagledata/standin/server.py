@@ -111,7 +111,7 @@ class SimulatorServer:
                  max_generations: int = 50_000, api: str = "openrouter", sglang_trim_stop: bool = False,
                  sglang_prompt_echo: int = 0, sglang_chat_token_ids: bool = True,
                  latency_jitter_ms: float = 0, paced_streams: bool = False, first_token_ms: float | None = None,
-                 stream_write_ms: float = 20, **model_options: Any):
+                 stream_write_ms: float = 20, model_path: str = "simulator", **model_options: Any):
         if api not in ("openrouter", "sglang"):
             raise ValueError(f"api must be 'openrouter' or 'sglang', got {api!r}")
         self.engine = CompletionModel(tokenizer, family, seed, **model_options)
@@ -120,6 +120,7 @@ class SimulatorServer:
         self.latency_ms, self.latency_jitter_ms = latency_ms, latency_jitter_ms
         self.paced_streams, self.first_token_ms, self.stream_write_ms = paced_streams, first_token_ms, stream_write_ms
         self.api, self.sglang_trim_stop = api, sglang_trim_stop
+        self.model_path = model_path  # what GET /get_model_info reports (SGLang's --model-path)
         self.sglang_prompt_echo, self.sglang_chat_token_ids = sglang_prompt_echo, sglang_chat_token_ids
         if price_per_mtok is None:
             price_per_mtok = {"prompt": 0.6, "completion": 2.5}
@@ -384,7 +385,7 @@ class SimulatorServer:
             if url.path in ("/health", "/health_generate"):
                 return self._send(200, "")
             if url.path == "/get_model_info":
-                return self._send(200, dumps({"model_path": "simulator", "is_generation": True}))
+                return self._send(200, dumps({"model_path": self.model_path, "is_generation": True}))
             return self._error(404, f"no route {url.path}")
         if method != "POST":
             return self._error(405, f"method {method} not allowed")
