@@ -445,3 +445,20 @@ def test_import_errors_name_file_line_field(tmp_path, line, where):
         import_responses(src, "imp", out, log=quiet)
     assert str(exc.value).startswith(f"{src}{where}"), str(exc.value)
     assert not out.exists() and not list(tmp_path.glob(".out.jsonl.tmp*"))
+
+
+def test_the_default_attempt_timeout_leaves_time_for_max_tokens_at_a_slow_pace():
+    """An answer still arriving at the deadline is cut and asked again, and billed each time: unset,
+    the deadline is 600 s or max_tokens at 10 tokens/s (plus a minute), whichever is longer; a
+    timeout_s set is kept."""
+    from eagledata.config import validate_config
+    from eagledata.generate.retries import ClientSettings, attempt_timeout_s
+
+    assert attempt_timeout_s({"max_tokens": 4096, "timeout_s": None}) == 600
+    assert attempt_timeout_s({"max_tokens": 32768, "timeout_s": None}) == 32768 / 10 + 60
+    assert attempt_timeout_s({"max_tokens": 32768, "timeout_s": 90}) == 90
+    cfg = validate_config({"models": {"m": {"family": "kimi-k2", "tokenizer": "x/y"}},
+                           "datasets": {"d": {"prompts": "p.jsonl", "model": "m"}},
+                           "generation": {"max_tokens": 16384}})
+    assert cfg["generation"]["timeout_s"] is None
+    assert ClientSettings.from_generation(cfg["generation"], "u", "openrouter", {}).timeout_s == 16384 / 10 + 60

@@ -62,7 +62,7 @@ from eagledata.generate.requests import (DEFAULT_API_BASE, DatasetWork, WorkItem
                                          uses_native_endpoint)
 from eagledata.generate.rescue import free_space
 from eagledata.generate.respell import Respeller
-from eagledata.generate.retries import ClientSettings
+from eagledata.generate.retries import ClientSettings, attempt_timeout_s
 from eagledata.generate.servedmodel import MODEL_INFO_PATH, check_cached_answers, served_model_path
 from eagledata.generate.turns import TurnPlanner, TurnState, conversation_summary
 from eagledata.io import atomic_write_json, sha256_file
@@ -400,7 +400,7 @@ def others_wait_s(config: Mapping[str, Any]) -> float:
     """How long a request waits on other jobs' reservations only before it calls the oldest stale:
     :data:`~eagledata.generate.budget.OTHERS_WAIT_S`, or twice the longest attempt timeout of the
     config's datasets (a live request of any of them settles within that)."""
-    longest = max((float(dataset_generation(config, d).get("timeout_s", 600)) for d in config["datasets"]), default=600.0)
+    longest = max((attempt_timeout_s(dataset_generation(config, d)) for d in config["datasets"]), default=600.0)
     return max(OTHERS_WAIT_S, 2 * longest + 60)
 
 

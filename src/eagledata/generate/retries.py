@@ -11,6 +11,22 @@ from email.utils import parsedate_to_datetime
 from typing import Any, Mapping
 
 
+#: The attempt timeout when ``generation.timeout_s`` is not set: at least this many seconds ...
+DEFAULT_TIMEOUT_S = 600.0
+#: ... and long enough for ``max_tokens`` at this many tokens a second (a slow provider's pace):
+#: an answer still arriving at the deadline is cut, and asked again, and a provider bills each one
+SLOWEST_TOKENS_PER_S = 10.0
+
+
+def attempt_timeout_s(g: Mapping[str, Any]) -> float:
+    """The per-attempt deadline of a dataset's ``generation`` settings ``g``: ``timeout_s`` when set,
+    else :data:`DEFAULT_TIMEOUT_S` or the time ``max_tokens`` take at :data:`SLOWEST_TOKENS_PER_S`
+    (plus a minute), whichever is longer (32,768 tokens: about 56 minutes)."""
+    if g.get("timeout_s") is not None:
+        return float(g["timeout_s"])
+    return max(DEFAULT_TIMEOUT_S, float(g.get("max_tokens") or 4096) / SLOWEST_TOKENS_PER_S + 60.0)
+
+
 @dataclass(frozen=True)
 class ClientSettings:
     """How one dataset's requests are sent (``generation.*`` settings that shape no answer)."""
@@ -31,7 +47,7 @@ class ClientSettings:
         """From a dataset's ``generation`` settings (defaults as in the config schema)."""
         job = g.get("job_timeout_s")
         return cls(url, backend, dict(headers), int(g.get("concurrency", 16)), int(g.get("max_attempts", 6)),
-                   float(g.get("timeout_s", 600)), float(g.get("backoff_base_s", 1.0)), float(g.get("backoff_max_s", 60.0)),
+                   attempt_timeout_s(g), float(g.get("backoff_base_s", 1.0)), float(g.get("backoff_max_s", 60.0)),
                    float(job) if job is not None else None, float(g.get("drain_timeout_s", 60.0)))
 
 
