@@ -186,6 +186,17 @@ def weight_files_input(wildcards):
     return _model_files(weights_input(wildcards))
 
 
+def weight_files_version(wildcards):
+    """The model files (weight_files_input) by name, size and mtime, hashed: a param of the extraction rules.
+    Snakemake's mtime trigger reruns a job only for an input NEWER than its outputs, so weights replaced
+    by other weights whose files are older (cp -a or rsync -a of another checkpoint, a symlink moved to
+    one) reran nothing and the old model's hidden states stayed published. A changed version reruns the
+    jobs; the model's fingerprint (a resume key) then decides: the same content is kept, other content
+    extracted. Size and mtime only (rsync's quick check): nothing is read, and a copy that keeps mtimes
+    (cp -a of the work directory) is the same version. A directory built by a job (the demo model): none."""
+    return _weight_files_version(weights_input(wildcards))
+
+
 # What a weights directory says, read once per Snakemake process (every shard job's params and inputs ask)
 @functools.cache
 def _layers_setting(weights):
@@ -201,6 +212,12 @@ def _compute_setting(weights):
 @functools.cache
 def _model_files(weights):
     return [] if _built(weights) else [str(p) for p in model_files(weights)]
+
+
+@functools.cache
+def _weight_files_version(weights):
+    stats = [[Path(f).name, os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in _model_files(weights)]
+    return hashlib.sha256(json.dumps(stats).encode()).hexdigest()[:16] if stats else ""
 
 
 def dataset_targets(name):

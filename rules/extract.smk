@@ -1,8 +1,8 @@
 # Hidden-state extraction (HF or SGLang backend), one job per token shard, and the tiny random demo model.
 # Needs from rules/common.smk: RESULTS (config["results_dir"]), weights_input(wildcards) (the weights dir
-# of the dataset's model), weights_dir_input (it as an input) and weight_files_input (its model
-# files), extract_layers, sglang_server_args, extract_compute_dtype, extract_shard_source and
-# extract_shard_records (the plan's input functions).
+# of the dataset's model), weights_dir_input (it as an input), weight_files_input (its model
+# files), weight_files_version (their names, sizes and mtimes), extract_layers, sglang_server_args,
+# extract_compute_dtype, extract_shard_source and extract_shard_records (the plan's input functions).
 # The final hidden state is always stored BEFORE the final norm, with the norm's weight and eps
 # (eagledata.extract.norm): the SpecForge export derives the after-norm state, speculators reads it as is.
 # (extraction.final_norm, removed, is refused with the config file named: eagledata.config.validate_config)
@@ -89,6 +89,9 @@ rule extract_shard:
         # SGLang's server arguments shape the states (quantization, KV-cache dtype...): a resume key too
         sglang_server_args=sglang_server_args(),
         length_limit=extract_shard_limit,
+        # the model files' names, sizes and mtimes: weights swapped for older files rerun the job (its
+        # resume key, the model's fingerprint, then decides whether it extracts)
+        weights_version=weight_files_version,
         # read, not an input: the plan is rewritten whenever any shard changes
         plan=f"{HIDDEN_WORK}/plan.json",
         store=HIDDEN_STORE,
@@ -123,6 +126,7 @@ rule extract:
         backend=config["extraction"]["backend"],
         sglang_server_args=sglang_server_args(),
         length_limit=lambda wc: LENGTH_LIMITS[wc.dataset],
+        weights_version=weight_files_version,
         # how much of what it takes out of the store it keeps (hidden.store/replaced/): a change applies now
         keep_replaced_gb=config["extraction"]["keep_replaced_gb"],
         store=HIDDEN_STORE,

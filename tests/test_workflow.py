@@ -307,6 +307,39 @@ def test_a_weight_file_rewritten_in_place_reruns_extraction(demo_run, tmp_path):
     assert jobs.get("extract_shard") and jobs.get("extract"), jobs
 
 
+def test_weights_replaced_by_older_files_rerun_extraction(demo_run, tmp_path):
+    """Weights replaced by another checkpoint whose files are older than the hidden states (cp -a or
+    rsync -a of it, a symlink moved to it): no input is newer than an output, so Snakemake's mtime
+    trigger saw nothing and the old model's hidden states stayed published, exports too (the demo: 0
+    jobs; the manifests named the old model's fingerprint). The model files' names, sizes and mtimes are
+    a param of the extraction rules: the shard jobs rerun, and extract (another fingerprint)."""
+    from eagledata.demo.model import build_demo_model
+    from eagledata.extract.weights import model_fingerprint
+
+    work = copy_run(demo_run, tmp_path / "w")
+    weights = tmp_path / "weights"
+    shutil.copytree(work / "results/_assets/demo-model", weights)
+    config = yaml.safe_load((work / "config/config.yaml").read_text())
+    model = next(iter(config["models"]))
+    configure(work, models={**config["models"], model: {**config["models"][model], "weights": str(weights)}})
+    snakemake(work, "all")
+    assert planned_jobs(work) == {}
+    vocab = json.loads((weights / "config.json").read_text())["vocab_size"]
+    other = build_demo_model(tmp_path / "other", vocab, seed=1)
+    old = min(p.stat().st_mtime for p in weights.iterdir()) - 3600
+    for f in other.iterdir():
+        os.utime(f, (old, old))
+        shutil.copy2(f, weights / f.name)  # as cp -a does: the older mtime comes along
+    assert model_fingerprint(weights) != json.loads((work / "results/chat/hidden/manifest.json").read_text())["model_fingerprint"]
+    jobs = planned_jobs(work)
+    assert jobs.get("extract_shard") == len(config["datasets"]) and jobs.get("extract") == len(config["datasets"]), jobs
+    snakemake(work, "all")
+    for name in config["datasets"]:
+        for done in ("hidden/manifest.json", "export/specforge/export.json", "export/speculators/export.json"):
+            assert json.loads((work / "results" / name / done).read_text())["model_fingerprint"] == model_fingerprint(weights)
+    assert planned_jobs(work) == {}
+
+
 def test_a_setting_of_one_trainers_export_reruns_only_that_export(demo_run, tmp_path):
     """export.specforge_group_size shapes SpecForge's layout alone: changing it plans the SpecForge
     exports and not the speculators ones. The config is rewritten by a YAML dump (keys sorted): a
