@@ -46,7 +46,7 @@ SSE_ID = re.compile(rb'data:\s*\{[^\n]*?"id"\s*:\s*"([^"]+)"')
 JSON_ENCODER = json.JSONEncoder(ensure_ascii=False)
 #: How often a request claimed by another dataset's job is tried again.
 CLAIM_POLL_S = 0.05
-#: A job whose first answers are this many final errors alike (one status, one message) stops: a
+#: A job whose first answers are this many final errors alike (one status, one body) stops: a
 #: setting rather than its prompts is wrong (a model id the provider does not know, an endpoint no
 #: provider serves under the account's data policy), and every other prompt would get that answer too.
 ALIKE_FINAL_ERRORS_STOP = 5

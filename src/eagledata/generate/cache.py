@@ -1,6 +1,7 @@
 """The response cache: ``{cache_dir}/{dataset}/responses.jsonl``, one line per finished request
-(success or final error; and a retry marker per final error ``eagledata retry`` forgot), appended at once so that even ``kill -9`` loses no response received,
-and deliberately not a Snakemake output (so the paid answers outlive any rerun of the rule).
+(success or final error; and a retry marker per final error ``eagledata retry`` forgot), appended at
+once so that even ``kill -9`` loses no response received, and deliberately not a Snakemake output (so
+the paid answers outlive any rerun of the rule).
 
 Own code because no library gives these guarantees together: one ``write`` per record, ``fsync`` at
 most every :data:`FSYNC_INTERVAL_S` off the event loop, a torn last line ignored and cut off, and a

@@ -11,8 +11,7 @@ again, and only them.
 Nothing is removed from the cache (it stays append-only): a retry marker is appended per error
 (:meth:`~eagledata.generate.cache.ResponseCache.forget`; an answer, status 200, is never forgotten),
 under the dataset's cache writer lock (a generate job writing that cache now makes the command refuse
-that dataset, changing nothing), and a retry note, ``{cache_dir}/{dataset}/retry.json``, is written
-last. The generate rule declares the note as an input where it exists
+that dataset, changing nothing), after a retry note, ``{cache_dir}/{dataset}/retry.json``. The generate rule declares the note as an input where it exists
 (:meth:`~eagledata.generate.ruleinputs.GenerateRuleInputs.retried`): newer than the job's outputs, it
 makes Snakemake rerun the job (``snakemake -n`` shows it), which sends the forgotten requests (a
 final error costs nothing; they are counted in ``eagledata plan`` again).
