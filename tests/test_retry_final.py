@@ -160,6 +160,8 @@ def test_the_plan_counts_the_cached_final_errors_and_names_the_command(setup, tm
     row = p["datasets"][0]
     assert row["cached"] == 12 and row["to_request"] == 0 and row["final_errors"] == {"403": 1, "404": 2}
     assert "note: d: 3 of the cached are final errors (HTTP 403: 1, HTTP 404: 2)" in format_plan(p)
+    assert "`eagledata retry d --config my.yaml` requests them again" in format_plan(p, "my.yaml")
+    assert "`eagledata retry d` requests them again" in format_plan(p, "config/config.yaml")
     retry_final_errors(cfg["cache_dir"], "d", [404])
     row = plan(cfg)["datasets"][0]
     assert row["cached"] == 10 and row["to_request"] == 2 and row["final_errors"] == {"403": 1}

@@ -310,8 +310,14 @@ def shard_jobs_known(token_plan: str | Path, to_request: int) -> bool:
         return False
 
 
-def format_plan(p: Mapping[str, Any]) -> str:
-    """The plan as the table ``eagledata plan`` prints."""
+#: The config ``eagledata plan`` reads by default (the CLI's ``--config``).
+DEFAULT_CONFIG = "config/config.yaml"
+
+
+def format_plan(p: Mapping[str, Any], config_path: str | None = None) -> str:
+    """The plan as the table ``eagledata plan`` prints (``config_path``: the config it read, repeated in
+    the commands it suggests when it is not the default one)."""
+    config_arg = f" --config {config_path}" if config_path and config_path != DEFAULT_CONFIG else ""
     def usd(v: float | None) -> str:
         return "-" if v is None else format_usd(v, ",")
 
@@ -347,7 +353,7 @@ def format_plan(p: Mapping[str, Any]) -> str:
         if r.get("final_errors"):
             by = ", ".join(f"HTTP {k}: {v}" for k, v in r["final_errors"].items())
             lines.append(f"note: {r['dataset']}: {sum(r['final_errors'].values())} of the cached are final errors ({by}), "
-                         f"not requested again; once their cause is fixed, `eagledata retry {r['dataset']}` requests them again")
+                         f"not requested again; once their cause is fixed, `eagledata retry {r['dataset']}{config_arg}` requests them again")
     for r in p["datasets"]:
         if r.get("shard_jobs_known") is False:
             first = "its requests are answered and " if r.get("to_request") else ""
@@ -384,5 +390,5 @@ def cmd_plan(args: Any) -> int:
         print(f"eagledata plan: unknown dataset(s) {unknown}; defined: {sorted(config['datasets'])}", file=sys.stderr)
         return 2
     p = plan(config, args.datasets or None)
-    print(json.dumps(p, indent=1) if args.json else format_plan(p))
+    print(json.dumps(p, indent=1) if args.json else format_plan(p, args.config))
     return 1 if any(r.get("preflight") or r.get("error") for r in p["datasets"]) else 0
