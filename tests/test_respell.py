@@ -244,36 +244,3 @@ def test_the_same_endpoint_spelled_otherwise_sends_nothing_again(sim, tmp_path, 
     with SimulatorServer(*k25, seed=2) as elsewhere:  # another server: asked
         summary = generate_dataset(with_generation(cfg, api_base=elsewhere.base_url), "d", out, log=quiet)
         assert summary["requested"] == 6 and elsewhere.requests_total == 6
-
-
-@pytest.mark.parametrize("stream", [False, True])
-def test_raising_max_tokens_asks_again_only_the_answers_the_old_cap_cut(sim, tmp_path, k25, stream):
-    """max_tokens only cuts a completion: an answer that ended on its own within the new cap is a
-    sample of the new request too (before: raising max_tokens asked all 12 again, paying twice for
-    the answers it never cut); the cut ones are asked again, and lowering the cap below an answer's
-    length asks that one too."""
-    from eagledata.tokens.responses import parse_response
-
-    prompts = write_prompts(tmp_path / "prompts.jsonl", 12)
-    cfg = make_config(tmp_path, prompts, str(k25[0].source), api_base=sim.base_url, max_tokens=40, stream=stream)
-    out = tmp_path / "results/d/responses.jsonl"
-    generate_dataset(cfg, "d", out, log=quiet)
-    first = {r["id"]: r for r in read_jsonl(out)}
-    parsed = {i: parse_response(r["response_raw"]) for i, r in first.items()}
-    cut = {i for i, p in parsed.items() if p.finish_reason == "length"}
-    assert 0 < len(cut) < 12, {i: p.finish_reason for i, p in parsed.items()}
-
-    raised = with_generation(cfg, max_tokens=4000)
-    assert plan_dataset(raised, "d")["to_request"] == len(cut)
-    summary = generate_dataset(raised, "d", out, log=quiet)
-    assert summary["requested"] == len(cut) and sim.requests_total == 12 + len(cut)
-    assert summary["respelled"] == 12 - len(cut)
-    now = {r["id"]: r for r in read_jsonl(out)}
-    assert all(now[i] == first[i] for i in first if i not in cut)  # as received, their request as sent
-    assert all(now[i]["request"]["max_tokens"] == 4000 and parse_response(now[i]["response_raw"]).finish_reason != "length"
-               for i in cut)
-    # a cap below an answer's length: that answer would have been cut, so it is asked
-    shortest = min(p.completion_tokens for i, p in parsed.items() if i not in cut)
-    lowered = with_generation(cfg, max_tokens=shortest)
-    longer = sum(1 for i, p in parsed.items() if i not in cut and p.completion_tokens > shortest)
-    assert plan_dataset(lowered, "d")["to_request"] == len(cut) + longer

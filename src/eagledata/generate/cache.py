@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from eagledata.errors import EagledataError
 from eagledata.generate.errors import GenerationError
-from eagledata.generate.respell import Spellings, settings_cap_spelling, settings_spelling, settings_text
+from eagledata.generate.respell import Spellings, settings_spelling, settings_text
 from eagledata.generate.rescue import RESCUE_ENV, RescueFile, find_rescue_files, free_space, read_rescue_lines
 from eagledata.io import atomic_path
 
@@ -65,8 +65,6 @@ class ResponseCache:
         self.refs: dict[str, dict[str, Any]] = {}
         # the settings spellings of the records with an integral float (eagledata.generate.respell)
         self.spellings: Spellings = {}
-        # settings without their completion cap -> the settings texts (each cap) of the cached requests
-        self.caps: Spellings = {}
         self._settings_seen: set[bytes | str] = set()
         self.not_answered: set[str] = set()  # keys whose record is not known to be a status-200 answer
         self.aliases: dict[str, str] = {}  # key -> the key of its record, cached in another spelling (alias)
@@ -93,7 +91,6 @@ class ResponseCache:
         self.index.clear()
         self.refs.clear()
         self.spellings.clear()
-        self.caps.clear()
         self._settings_seen.clear()
         self.not_answered.clear()
         self.aliases.clear()
@@ -146,9 +143,6 @@ class ResponseCache:
                 spelling = settings_spelling(request)
                 if spelling is not None:
                     self.spellings.setdefault(spelling[0], set()).add(spelling[1])
-                capped = settings_cap_spelling(request)
-                if capped is not None:
-                    self.caps.setdefault(capped[0], set()).add(capped[1])
 
     def alias(self, key: str, cached: str) -> None:
         """Point ``key`` at the record of ``cached`` (the same request in another spelling of its

@@ -191,9 +191,8 @@ def open_cache(run: Run) -> None:
             run.todo.setdefault(it.cache_key, it)
     if respeller.taken:
         run.log(f"generate {run.dataset}: {respeller.taken} answer(s) cached under another spelling of the same "
-                "settings (an integer written as a float, or the reverse: 1 and 1.0), of the same endpoint "
-                "(localhost and 127.0.0.1, the default port written or not), or under another max_tokens that did "
-                "not cut them taken, not requested again")
+                "settings (an integer written as a float, or the reverse: 1 and 1.0) or of the same endpoint "
+                "(localhost and 127.0.0.1, the default port written or not) taken, not requested again")
     carry_answers(run)
     run.n_cached = sum(1 for it in run.work.items if it.cache_key in index)
     s = run.settings

@@ -20,12 +20,6 @@ The sample's key then points at that record in the cache's index (in memory: not
 :meth:`~eagledata.generate.cache.ResponseCache.alias`), so the record is output as received, with
 its request as it was sent. With ``turns: all`` the turn planner asks it for each turn it follows.
 
-A completion cap (``max_tokens``; SGLang's ``max_new_tokens``) only cuts a completion: a sample
-not cached is also looked up under the other caps its settings were sent with
-(:attr:`~eagledata.generate.cache.ResponseCache.caps`), and an answer found there that ended on its
-own (``stop``, ``tool_calls``) within the sample's cap is taken, so raising ``max_tokens`` asks again
-only what the old cap cut (and lowering it, only what the new one would).
-
 The endpoint is part of a key too (the backend salt: :func:`~eagledata.generate.requests.endpoint_salt`),
 so a sample is also looked up under the salts of the same endpoint spelled otherwise
 (:func:`~eagledata.generate.requests.equivalent_salts`: ``http://localhost:30000`` and
@@ -74,30 +68,6 @@ def as_integers(value: Any) -> Any:
     return value
 
 
-def split_cap(settings: Mapping[str, Any]) -> tuple[int | None, dict[str, Any]]:
-    """``(completion cap, settings without it)``: a chat body's ``max_tokens``, SGLang ``/generate``'s
-    ``sampling_params.max_new_tokens``; ``(None, settings)`` without an integer one."""
-    cap = settings.get("max_tokens")
-    if isinstance(cap, int) and not isinstance(cap, bool):
-        return cap, {k: v for k, v in settings.items() if k != "max_tokens"}
-    sp = settings.get("sampling_params")
-    if isinstance(sp, dict):
-        cap = sp.get("max_new_tokens")
-        if isinstance(cap, int) and not isinstance(cap, bool):
-            return cap, {**settings, "sampling_params": {k: v for k, v in sp.items() if k != "max_new_tokens"}}
-    return None, dict(settings)
-
-
-def settings_cap_spelling(request: Any) -> tuple[str, str] | None:
-    """``(normalised settings text without the completion cap, settings text)`` of a cached request
-    with an integer cap (:func:`split_cap`); ``None`` otherwise."""
-    if not isinstance(request, dict):
-        return None
-    settings = settings_of(request)
-    cap, rest = split_cap(settings)
-    return (canonical_json(as_integers(rest)), canonical_json(settings)) if cap is not None else None
-
-
 def settings_spelling(request: Any) -> tuple[str, str] | None:
     """``(normalised settings text, settings text)`` of a cached request whose settings hold an
     integral float; ``None`` otherwise (its spelling is the normalised one, tried anyway)."""
@@ -122,7 +92,6 @@ class Respeller:
         self.salts: list[Mapping[str, Any] | None] = [salt, *equivalent_salts(salt)]
         self.taken = 0
         self._variants: dict[bytes | str, list[dict[str, Any]]] = {}  # settings as written -> other spellings
-        self._caps: dict[bytes | str, tuple[Any, list[dict[str, Any]]]] = {}  # ... -> (its cap, the other caps' settings)
 
     def take(self, items: Iterable[Any]) -> int:
         """Alias each of ``items`` (:class:`~eagledata.generate.requests.WorkItem`) not cached whose
@@ -153,44 +122,15 @@ class Respeller:
         if variants is None:
             settings = settings_of(item.request)
             variants = self._variants[written] = _other_spellings(settings, canonical_json(settings), cache.spellings)
+        if not variants:
+            return None
         content = {k: v for k, v in item.request.items() if k in CONTENT_KEYS}
         for spelled in variants:
             for salt in self.salts:
                 found = self._answered(cache_key({**content, **spelled}, item.sample_index, salt))
                 if found is not None:
                     return found
-        return self._under_another_cap(item, content, written)
-
-    def _under_another_cap(self, item: Any, content: Mapping[str, Any], written: bytes | str) -> str | None:
-        """The key of an answer to ``item``'s request sent with another completion cap that ended on its
-        own (finish ``stop`` or ``tool_calls``) within ``item``'s cap: a cap only cuts a completion, so
-        that answer is a sample of this request too (raising ``max_tokens`` asks again only the answers
-        the old cap cut)."""
-        from eagledata.generate.requests import cache_key
-
-        found_caps = self._caps.get(written)
-        if found_caps is None:  # once per settings as written
-            settings = settings_of(item.request)
-            cap, rest = split_cap(settings)
-            texts = self.cache.caps.get(canonical_json(as_integers(rest)), ()) if cap is not None else ()
-            own = canonical_json(settings)
-            found_caps = self._caps[written] = (cap, [json.loads(t) for t in sorted(texts) if t != own])
-        cap, others = found_caps
-        for spelled in others:
-            for salt in self.salts:
-                found = self._answered(cache_key({**content, **spelled}, item.sample_index, salt))
-                if found is not None and self._ended_within(found, cap):
-                    return found
         return None
-
-    def _ended_within(self, key: str, cap: int) -> bool:
-        """Whether the answer cached under ``key`` ended on its own after at most ``cap`` tokens."""
-        from eagledata.tokens.responses import parse_response
-
-        rec = self.cache.get(key)
-        parsed = parse_response(rec.get("response_raw") or "", rec.get("status") or 200)
-        used = parsed.completion_tokens
-        return parsed.ok and parsed.finish_reason in ("stop", "tool_calls") and isinstance(used, int) and used <= cap
 
     def _answered(self, key: str) -> str | None:
         """The key of the record ``key`` points at when it is a status-200 answer; else ``None``."""
@@ -211,5 +151,4 @@ def _other_spellings(settings: dict[str, Any], text: str, spellings: Spellings) 
     return out
 
 
-__all__ = ["CONTENT_KEYS", "Respeller", "as_integers", "settings_cap_spelling", "settings_of", "settings_spelling",
-           "settings_text", "split_cap"]
+__all__ = ["CONTENT_KEYS", "Respeller", "as_integers", "settings_of", "settings_spelling", "settings_text"]
