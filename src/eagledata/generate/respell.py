@@ -1,5 +1,5 @@
-"""Answers cached under another spelling of the same request (its numbers, its endpoint), or under
-another completion cap that did not cut them, taken instead of requested again.
+"""Answers cached under another spelling of the same request (its numbers, its endpoint), taken
+instead of requested again.
 
 YAML reads ``temperature: 1`` as an integer and ``temperature: 1.0`` as a float, and JSON writes them
 differently (``1``, ``1.0``), so the body sent, and with it the cache key
