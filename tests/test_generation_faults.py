@@ -379,15 +379,22 @@ def test_progress_plain_lines_and_tty_bar():
 # SGLang backend against the stand-in speaking SGLang's shapes
 
 
+def sglang_setup(stand_in, tmp_path, n: int, server: dict, base_suffix: str = "", tools_every: int = 3, **generation):
+    """An SGLang stand-in (``server``: its options) and a config sending ``n`` prompts to it (``api_base``:
+    the server root, plus ``base_suffix``)."""
+    sim = stand_in(api="sglang", **server)
+    prompts = write_prompts(tmp_path / "p.jsonl", n, tools_every=tools_every)
+    return sim, make_config(tmp_path, prompts, sim.tokenizer.source, backend="sglang",
+                            api_base=sim.root_url + base_suffix, **generation)
+
+
 @pytest.mark.parametrize("endpoint, trim", [("chat", False), ("chat", True), ("generate", False), ("generate", True)])
 def test_sglang_backend_stores_the_generated_ids(stand_in, tmp_path, monkeypatch, endpoint, trim):
     monkeypatch.delenv("OPENROUTER_API_KEY", raising=False)  # a local server needs no key
-    sim = stand_in(api="sglang", sglang_trim_stop=trim, faults={2: "503"})
     # trimmed ids after tool calls cannot be completed on the chat endpoint (SGLang reports no matched
     # stop after tool calls): test_sglang_answers_without_usable_ids_stop_the_job
-    prompts = write_prompts(tmp_path / "p.jsonl", 6, tools_every=0 if trim and endpoint == "chat" else 3)
-    cfg = make_config(tmp_path, prompts, sim.tokenizer.source, backend="sglang", api_base=sim.root_url + "/v1",
-                      sglang_endpoint=endpoint, stream=True)
+    sim, cfg = sglang_setup(stand_in, tmp_path, 6, {"sglang_trim_stop": trim, "faults": {2: "503"}}, "/v1",
+                            tools_every=0 if trim and endpoint == "chat" else 3, sglang_endpoint=endpoint, stream=True)
     summary = generate_dataset(cfg, "d", tmp_path / "out.jsonl", log=quiet)
     assert summary["http_requests"] == 7
     tok, eot = sim.tokenizer, sim.tokenizer.special_id(sim.family.end_of_turn)
@@ -414,10 +421,8 @@ def test_sglang_output_ids_that_echo_the_prompt_are_cut(stand_in, tmp_path, monk
     completion (12 of 12 records, then all a mismatch in the tokens stage); now the 5 extra ids,
     the prompt's own last ones by the engine's completion count, are cut."""
     monkeypatch.delenv("OPENROUTER_API_KEY", raising=False)
-    sim = stand_in(api="sglang", sglang_prompt_echo=5, sglang_trim_stop=trim)
-    prompts = write_prompts(tmp_path / "p.jsonl", 12, tools_every=0)
-    cfg = make_config(tmp_path, prompts, sim.tokenizer.source, backend="sglang", api_base=sim.root_url,
-                      sglang_endpoint=endpoint)
+    sim, cfg = sglang_setup(stand_in, tmp_path, 12, {"sglang_prompt_echo": 5, "sglang_trim_stop": trim},
+                            tools_every=0, sglang_endpoint=endpoint)
     summary = generate_dataset(cfg, "d", tmp_path / "out.jsonl", log=quiet)
     assert summary["http_requests"] == 12
     for rec in read_jsonl(tmp_path / "out.jsonl"):
@@ -436,10 +441,8 @@ def test_sglang_answers_without_usable_ids_stop_the_job(stand_in, tmp_path, monk
     Quirks: a chat endpoint that ignores ``return_token_ids`` (SGLang before #30917); ids without their
     stop after tool calls (no matched stop reported: the missing id is unknown)."""
     monkeypatch.delenv("OPENROUTER_API_KEY", raising=False)
-    sim = stand_in(api="sglang", **quirk)
-    prompts = write_prompts(tmp_path / "p.jsonl", 20, tools_every=1)
-    cfg = make_config(tmp_path, prompts, sim.tokenizer.source, backend="sglang", api_base=sim.root_url,
-                      sglang_endpoint=endpoint, tool_choice="required")
+    sim, cfg = sglang_setup(stand_in, tmp_path, 20, quirk, tools_every=1, sglang_endpoint=endpoint,
+                            tool_choice="required")
     with pytest.raises(JobStopped, match="token_ids|output_ids") as err:
         generate_dataset(cfg, "d", tmp_path / "out.jsonl", log=quiet)
     assert sim.requests_total <= 4, sim.requests_total
@@ -468,10 +471,7 @@ def test_an_aborted_sglang_generation_is_asked_again(stand_in, tmp_path, monkeyp
     never asked again, its half of a reply a mismatch in the tokens stage and, with ``turns: all``,
     the next turn's history. Now it is retried like the native endpoint's abort."""
     monkeypatch.delenv("OPENROUTER_API_KEY", raising=False)
-    sim = stand_in(api="sglang", faults={2: "abort"})
-    prompts = write_prompts(tmp_path / "p.jsonl", 6, tools_every=0)
-    cfg = make_config(tmp_path, prompts, sim.tokenizer.source, backend="sglang", api_base=sim.root_url,
-                      sglang_endpoint=endpoint)
+    sim, cfg = sglang_setup(stand_in, tmp_path, 6, {"faults": {2: "abort"}}, tools_every=0, sglang_endpoint=endpoint)
     summary = generate_dataset(cfg, "d", tmp_path / "out.jsonl", log=quiet)
     assert summary["http_requests"] == 7
     for rec in read_jsonl(tmp_path / "out.jsonl"):
@@ -487,10 +487,8 @@ def test_thinking_turned_off_reaches_sglangs_chat_template(stand_in, tmp_path, m
     ours). The body now also says it the way SGLang's template step reads it; with thinking on the
     body is as before (its cached answers are kept)."""
     monkeypatch.delenv("OPENROUTER_API_KEY", raising=False)
-    sim = stand_in(api="sglang")
-    prompts = write_prompts(tmp_path / "p.jsonl", 12)
-    cfg = make_config(tmp_path, prompts, sim.tokenizer.source, backend="sglang", api_base=sim.root_url,
-                      reasoning={"enabled": False}, extra_body={"chat_template_kwargs": {"other": 1}})
+    sim, cfg = sglang_setup(stand_in, tmp_path, 12, {}, reasoning={"enabled": False},
+                            extra_body={"chat_template_kwargs": {"other": 1}})
     generate_dataset(cfg, "d", tmp_path / "out.jsonl", log=quiet)
     for rec in read_jsonl(tmp_path / "out.jsonl"):
         truth = sim.truth("gen-" + rec["generation_id"])
@@ -508,10 +506,8 @@ def test_a_new_model_behind_the_same_sglang_address_is_not_answered_from_the_cac
     written (before: the old checkpoint's 6 answers output as the new one's, 0 requests). A new
     ``models.NAME.revision`` makes the new checkpoint's requests new ones."""
     monkeypatch.delenv("OPENROUTER_API_KEY", raising=False)
-    sim = stand_in(api="sglang", model_path="/models/kimi-k2.5-step-1000")
-    prompts = write_prompts(tmp_path / "p.jsonl", 6)
-    cfg = make_config(tmp_path, prompts, sim.tokenizer.source, backend="sglang", api_base=sim.root_url + "/v1",
-                      sglang_endpoint=endpoint)
+    sim, cfg = sglang_setup(stand_in, tmp_path, 6, {"model_path": "/models/kimi-k2.5-step-1000"}, "/v1",
+                            sglang_endpoint=endpoint)
     out = tmp_path / "out.jsonl"
     generate_dataset(cfg, "d", out, log=quiet)
     assert {r["served_model"] for r in read_jsonl(out)} == {"/models/kimi-k2.5-step-1000"}

@@ -290,9 +290,9 @@ def test_a_job_run_elsewhere_declares_the_main_processs_stamps(demo_run, tmp_pat
     assert "CodeChangedError" not in (work / "logs/chat/validate.log").read_text()
 
 
-def test_a_weight_file_rewritten_in_place_reruns_extraction(demo_run, tmp_path):
-    """Weights outside the workflow's own assets: their model files are inputs of the extraction jobs
-    (a directory input is judged by the directory's mtime, which rewriting a file in it leaves)."""
+def _with_own_weights(demo_run, tmp_path):
+    """A copy of the demo run whose model's weights are a copy outside the workflow's assets, run to the
+    end: (work directory, weights directory, config)."""
     work = copy_run(demo_run, tmp_path / "w")
     weights = tmp_path / "weights"
     shutil.copytree(work / "results/_assets/demo-model", weights)
@@ -301,6 +301,13 @@ def test_a_weight_file_rewritten_in_place_reruns_extraction(demo_run, tmp_path):
     configure(work, models={**config["models"], model: {**config["models"][model], "weights": str(weights)}})
     snakemake(work, "all")
     assert planned_jobs(work) == {}
+    return work, weights, config
+
+
+def test_a_weight_file_rewritten_in_place_reruns_extraction(demo_run, tmp_path):
+    """Weights outside the workflow's own assets: their model files are inputs of the extraction jobs
+    (a directory input is judged by the directory's mtime, which rewriting a file in it leaves)."""
+    work, weights, _ = _with_own_weights(demo_run, tmp_path)
     shard = next(weights.glob("*.safetensors"))
     shard.write_bytes(shard.read_bytes())  # in place: the directory's mtime stays
     jobs = planned_jobs(work)
@@ -316,14 +323,7 @@ def test_weights_replaced_by_older_files_rerun_extraction(demo_run, tmp_path):
     from eagledata.demo.model import build_demo_model
     from eagledata.extract.weights import model_fingerprint
 
-    work = copy_run(demo_run, tmp_path / "w")
-    weights = tmp_path / "weights"
-    shutil.copytree(work / "results/_assets/demo-model", weights)
-    config = yaml.safe_load((work / "config/config.yaml").read_text())
-    model = next(iter(config["models"]))
-    configure(work, models={**config["models"], model: {**config["models"][model], "weights": str(weights)}})
-    snakemake(work, "all")
-    assert planned_jobs(work) == {}
+    work, weights, config = _with_own_weights(demo_run, tmp_path)
     vocab = json.loads((weights / "config.json").read_text())["vocab_size"]
     other = build_demo_model(tmp_path / "other", vocab, seed=1)
     old = min(p.stat().st_mtime for p in weights.iterdir()) - 3600
