@@ -71,6 +71,7 @@ class ResponseCache:
         # key -> the model path the SGLang server reported when it answered (records that name one)
         self.served: dict[str, str] = {}
         self._served_names: dict[str, str] = {}  # one string per model path
+        self.urls: set[str] = set()  # the URLs (lower-cased) the cached requests were sent to
         self.forgotten: set[str] = set()  # keys whose final error a retry marker forgot (asked again on purpose)
         self.skipped_lines = 0
         self.pending: list[tuple[str, bytes]] = []  # received, not (known to be) in the file
@@ -96,6 +97,7 @@ class ResponseCache:
         self.aliases.clear()
         self.forgotten.clear()
         self.served.clear()
+        self.urls.clear()
         if not self.path.exists():
             return self.index
         offset = 0
@@ -123,6 +125,9 @@ class ResponseCache:
             self.not_answered.discard(key)
         else:
             self.not_answered.add(key)
+        url = rec.get("url")
+        if isinstance(url, str):
+            self.urls.add(url.lower())
         served = rec.get(SERVED_FIELD)
         if isinstance(served, str):
             self.served[key] = self._served_names.setdefault(served, served)

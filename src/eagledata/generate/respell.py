@@ -85,11 +85,16 @@ class Respeller:
     is asked again under the other. :attr:`taken` counts the samples found."""
 
     def __init__(self, cache: Any, salt: Mapping[str, Any] | None) -> None:
-        from eagledata.generate.requests import equivalent_salts
+        from eagledata.generate.requests import DEFAULT_API_BASE, equivalent_salts
 
         self.cache, self.salt = cache, salt
-        # the same endpoint spelled otherwise (localhost or 127.0.0.1, the default port written or not)
-        self.salts: list[Mapping[str, Any] | None] = [salt, *equivalent_salts(salt)]
+        # the same endpoint spelled otherwise (localhost or 127.0.0.1, the default port written or not),
+        # where the cache holds requests sent to it: else each sample not cached would hash its body once
+        # more per spelling for nothing
+        def sent_to(other: Mapping[str, Any] | None) -> bool:
+            base = str((other or {}).get("endpoint", DEFAULT_API_BASE)).lower() + "/"
+            return any(url.startswith(base) for url in cache.urls)
+        self.salts: list[Mapping[str, Any] | None] = [salt, *filter(sent_to, equivalent_salts(salt))]
         self.taken = 0
         self._variants: dict[bytes | str, list[dict[str, Any]]] = {}  # settings as written -> other spellings
 
