@@ -203,11 +203,8 @@ def plan_dataset(config: Mapping[str, Any], name: str, estimator: PromptEstimato
 def cached_final_errors(cache: ResponseCache, items: Iterable[Any]) -> dict[str, int]:
     """HTTP status -> how many of ``items`` have a final error cached (counted as cached: not requested
     again until ``eagledata retry`` forgets them)."""
-    keys = {it.cache_key for it in items} & cache.not_answered
-    if not keys:
-        return {}
-    statuses = final_errors(cache)
-    return dict(sorted(Counter(str(statuses[k]) for k in keys if k in statuses).items()))
+    statuses = final_errors(cache, keys=(it.cache_key for it in items))
+    return dict(sorted(Counter(str(s) for s in statuses.values()).items()))
 
 
 def _turns_plan(work: Any, cache: ResponseCache, estimator: PromptEstimator,

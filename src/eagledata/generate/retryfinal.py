@@ -40,15 +40,16 @@ def retry_note_path(cache_dir: str | Path, dataset: str) -> Path:
     return Path(cache_dir) / dataset / RETRY_NOTE
 
 
-def final_errors(cache: Any, statuses: Iterable[int] | None = None) -> dict[str, int]:
-    """The keys of ``cache`` (a loaded :class:`~eagledata.generate.cache.ResponseCache`) whose record
-    is a final error, of ``statuses`` when given -> the record's status."""
+def final_errors(cache: Any, statuses: Iterable[int] | None = None, keys: Iterable[str] | None = None) -> dict[str, int]:
+    """The keys of ``cache`` (a loaded :class:`~eagledata.generate.cache.ResponseCache`; of ``keys`` when
+    given) whose record is a final error, of ``statuses`` when given -> the record's status."""
     wanted = set(statuses) if statuses else None
     out: dict[str, int] = {}
-    if not cache.not_answered:
+    errors = cache.not_answered if keys is None else cache.not_answered.intersection(keys)
+    if not errors:
         return out
     with open(cache.path, "rb") as fh:
-        for key in sorted(cache.not_answered):
+        for key in sorted(errors):
             if key in cache.index and key not in cache.aliases:
                 status = cache.get(key, fh).get("status")
                 if wanted is None or status in wanted:
