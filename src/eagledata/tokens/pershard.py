@@ -6,7 +6,7 @@ shard, and steps 3-5 together (:func:`learn_and_judge`, the ``tokens`` rule):
 
 1. :func:`plan_shards` (a checkpoint): streams the responses' ids (every record checked, as the
    one-job stage checks them), cuts them by the stable rule (:func:`~eagledata.tokens.shards.shard_groups`)
-   and writes ``plan.json`` (shard key -> rows, first and last id; the file's ``source_sha256`` and
+   and writes ``plan.json`` (shard key -> rows, first and last id; the file's ``source_xxh3_128`` and
    ``source_records_sha256``, the sha256 of the slices concatenated in plan order: the records in id
    order, so a reorder of the lines changes the one, not the other, and the manifest records the other)
    and, per shard, a *slice*,
@@ -146,7 +146,7 @@ def plan_shards(responses_path: str | Path, plan_path: str | Path, slices_dir: s
             if p.suffix == ".tsv" and p.stem not in keys:
                 p.unlink()
     plan = {"version": PLAN_VERSION, "dataset": dataset, "source": str(responses_path),
-            "source_sha256": digest, "source_records_sha256": records.hexdigest(), "rows": rows,
+            "source_xxh3_128": digest, "source_records_sha256": records.hexdigest(), "rows": rows,
             "sharding": {"rule": SHARDING_RULE, "shard_size": shard_size, "max_rows": MAX_SHARD_FACTOR * shard_size,
                          "key": "sha256(first id)[:16]", "record_digest": "xxh3_128 of the record's line"},
             "shards": shards}
@@ -157,7 +157,7 @@ def plan_shards(responses_path: str | Path, plan_path: str | Path, slices_dir: s
 def _sorted_id_runs(responses_path: str | Path, dataset: str, tmp: Path, workers: int) -> tuple[list, int, str]:
     """One read of the responses (every record checked as the one-job stage checks it; in up to
     ``workers`` processes, :mod:`eagledata.tokens.planscan`): the runs of id-sorted entries (a list
-    in memory when there is one, else files in ``tmp``), the number of records and the file's sha256."""
+    in memory when there is one, else files in ``tmp``), the number of records and the file's XXH3-128."""
     scan = RecordScan(responses_path, dataset, tmp, workers)
     runs: list = []
     buf: list[Entry] = []
@@ -173,7 +173,7 @@ def _sorted_id_runs(responses_path: str | Path, dataset: str, tmp: Path, workers
     elif buf:
         runs.append(_spill(sorted(buf), tmp / f"run-{len(runs):05d}.tsv"))
     log.info("%s: %d records read in %d process(es)", responses_path, rows, scan.processes)
-    return runs, rows, scan.sha256
+    return runs, rows, scan.digest
 
 
 def _spill(entries: list[Entry], path: Path) -> Path:

@@ -3,11 +3,13 @@
 The plan (:func:`eagledata.tokens.pershard.plan_shards`) checks every record as the one-job stage
 checks it and needs, of each, its id, line number, byte offset, length and the digest of its line
 (:func:`~eagledata.io.line_digest`),
-and the file's sha256 (the manifest's ``source_sha256``). :class:`RecordScan` gives those:
+and the file's digest (``plan.json``'s ``source_xxh3_128``: the XXH3-128 of its bytes, a check of change
+like the lines' digests; sha256 of a drafter-sized file cost the one-core stage about a twentieth of its
+time). :class:`RecordScan` gives those:
 
 - in one pass in this process for a small file (or ``workers=1``);
 - else up to ``workers`` spawned processes (one per 64 MB: :func:`~eagledata.tokens.planfile.plan_processes`) each read one byte range of the file (cut at line starts) and
-  write those fields to a scratch file, while this process hashes the whole file (sha256 releases
+  write those fields to a scratch file, while this process hashes the whole file (xxhash releases
   the GIL, so both run at once); the scratch files are then read in file order with their line
   numbers made global. At drafter-training size (hundreds of GB of streamed bodies) the
   one-process read was the stage's longest sequential step.
@@ -20,16 +22,16 @@ process that has run polars' threads can deadlock.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
+import xxhash
+
 from eagledata.codeinputs import verify_inherited_code
-from eagledata.io import (BLANK_LINE, ResponsesFileError, iter_lines_at, json_line_value, line_digest, open_lines,
-                          sha256_file)
+from eagledata.io import BLANK_LINE, ResponsesFileError, iter_lines_at, json_line_value, line_digest, open_lines
 from eagledata.tokens.planfile import plan_processes
 from eagledata.tokens.samples import record_id
 from eagledata.tokens.shards import checked_record
@@ -39,8 +41,8 @@ Entry = tuple[str, int, int, int, str]
 
 
 class RecordScan:
-    """Iterate :meth:`entries` once (file order); then :attr:`sha256` is the file's sha256 and
-    :attr:`processes` says how many processes read it."""
+    """Iterate :meth:`entries` once (file order); then :attr:`digest` is the file's XXH3-128 (hex)
+    and :attr:`processes` says how many processes read it."""
 
     def __init__(self, path: str | Path, dataset: str, scratch: str | Path, workers: int = 1) -> None:
         self.path, self.dataset, self.scratch = Path(path), dataset, Path(scratch)
@@ -49,20 +51,20 @@ class RecordScan:
         except OSError as exc:
             raise ResponsesFileError(f"{self.path}: cannot read responses file: {exc.strerror or exc}") from None
         self.processes = plan_processes(size, workers)
-        self.sha256: str | None = None
+        self.digest: str | None = None
 
     def entries(self) -> Iterator[Entry]:
         return self._one_process() if self.processes == 1 else self._in_ranges()
 
     def _one_process(self) -> Iterator[Entry]:
-        digest = hashlib.sha256()
+        digest = xxhash.xxh3_128()
         with open_lines(self.path) as fh:
             for lineno, offset, raw in iter_lines_at(fh):
                 digest.update(raw)
                 entry = _entry(self.path, lineno, offset, raw)
                 if entry is not None:
                     yield self._with_id(entry, entry[1])
-        self.sha256 = digest.hexdigest()
+        self.digest = digest.hexdigest()
 
     def _in_ranges(self) -> Iterator[Entry]:
         cuts = _line_starts(self.path, self.processes)
@@ -70,7 +72,7 @@ class RecordScan:
         with ProcessPoolExecutor(len(outs), mp_context=multiprocessing.get_context("spawn")) as pool:
             futures = [pool.submit(scan_range, str(self.path), a, b, str(out))
                        for a, b, out in zip(cuts, cuts[1:], outs)]
-            self.sha256 = sha256_file(self.path)  # meanwhile
+            self.digest = file_digest(self.path)  # meanwhile
             results = [f.result() for f in futures]
         bases, base = [], 0
         for lines, error in results:
@@ -124,6 +126,15 @@ def _entry(path: Path, lineno: int, offset: int, raw: bytes) -> tuple | None:
     return sid, lineno, offset, len(line), line_digest(line)
 
 
+def file_digest(path: str | Path, chunk: int = 1 << 22) -> str:
+    """Hex XXH3-128 of a file's bytes, read in chunks (``plan.json``'s ``source_xxh3_128``)."""
+    digest = xxhash.xxh3_128()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(chunk), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def _line_starts(path: Path, parts: int) -> list[int]:
     """``parts`` + 1 byte offsets from 0 to the file's size, each inner one at a line's start (ranges
     that would be empty are dropped)."""
@@ -141,4 +152,4 @@ def _line_starts(path: Path, parts: int) -> list[int]:
     return cuts + [size]
 
 
-__all__ = ["Entry", "RecordScan", "scan_range"]
+__all__ = ["Entry", "RecordScan", "file_digest", "scan_range"]

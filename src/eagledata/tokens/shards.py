@@ -72,7 +72,7 @@ from eagledata.tokens.repairs import (ARGUMENTS_RESPACED, KEY_ORDER_KEPT, key_or
 from eagledata.tokens.reconstruct import segments_json
 from eagledata.errors import InputError
 from eagledata.text.families import ModelFamily
-from eagledata.io import (ResponsesFileError, atomic_write_json, iter_json_lines, link_file, open_lines,
+from eagledata.io import (ResponsesFileError, atomic_write_json, iter_json_lines, link_file, loads_json, open_lines,
                           normalize_response_line, replace_unless_same, sha256_file)
 from eagledata.tokens.responses import ParsedResponse
 from eagledata.tokens.samples import alternative_prompt_lengths, record_id, tokenize_record
@@ -431,11 +431,11 @@ class Judgement:
 
 
 def _row_parsed(segments_json: str, finish_reason: str | None):
-    return parsed_from_segments(json.loads(segments_json), finish_reason)
+    return parsed_from_segments(loads_json(segments_json), finish_reason)
 
 
 def _thinking_of(segments_json: str) -> bool:
-    kinds = {seg["kind"] for seg in json.loads(segments_json)}
+    kinds = {seg["kind"] for seg in loads_json(segments_json)}
     return bool(kinds & {"reasoning", "think_close", "think_open"})
 
 
