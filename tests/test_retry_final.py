@@ -13,7 +13,7 @@ from eagledata.generate.cache import ResponseCache
 from eagledata.generate.cachelock import try_writer_lock
 from eagledata.generate.errors import JobStopped
 from eagledata.generate.job import generate_dataset
-from eagledata.generate.retryfinal import RetryRefused, retry_final_errors, retry_note_path
+from eagledata.generate.retryfinal import RetryRefused, retry_command, retry_final_errors, retry_note_path
 from eagledata.standin.faults import Fault
 from eagledata.standin.server import SimulatorServer
 
@@ -97,11 +97,25 @@ def test_retry_is_refused_while_a_job_writes_the_cache(setup, tmp_path):
     assert retry_final_errors(cfg["cache_dir"], "d") == {"404": 1}
 
 
-def test_the_first_answers_all_the_same_final_error_stop_the_job(setup, tmp_path):
+def test_a_stop_names_the_config_file_the_snakemake_run_read(monkeypatch, tmp_path):
+    """The retry command a job's stop message suggests repeats the config file the run read (the
+    Snakefile passes it to jobs), unless it is the default one, which the command reads anyway."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("EAGLEDATA_CONFIGFILES", json.dumps(["runs/real.yaml"]))
+    assert retry_command("d", 404) == "eagledata retry d --config runs/real.yaml --status 404"
+    monkeypatch.setenv("EAGLEDATA_CONFIGFILES", json.dumps([str(tmp_path / "config/config.yaml")]))
+    assert retry_command("d", 404) == "eagledata retry d --status 404"
+    monkeypatch.delenv("EAGLEDATA_CONFIGFILES")
+    assert retry_command("d") == "eagledata retry d"
+
+
+def test_the_first_answers_all_the_same_final_error_stop_the_job(setup, tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLEDATA_CONFIGFILES", json.dumps(["runs/real.yaml"]))  # as the Snakefile passes it
     sim, cfg = setup(faults=lambda n, body: "404", concurrency=1)
     with pytest.raises(JobStopped, match=r"the first 5 answers were all the same final error \(HTTP 404") as exc:
         generate_dataset(cfg, "d", tmp_path / "out.jsonl", log=quiet)
-    assert "eagledata retry d --status 404" in str(exc.value) and "5 of its 12 samples are cached" in str(exc.value)
+    assert "eagledata retry d --config runs/real.yaml --status 404" in str(exc.value)
+    assert "5 of its 12 samples are cached" in str(exc.value)
     assert sim.requests_total == 5  # not 12
     # final errors that differ (a prompt too long, each its own count) are the prompts' own: no stop,
     # also where OpenRouter words them alike and the provider's own message follows in metadata.raw

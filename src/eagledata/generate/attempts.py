@@ -36,6 +36,7 @@ from eagledata.generate.openrouter import FINAL_STATUSES_FATAL
 from eagledata.generate.progress import Log
 from eagledata.generate.requests import DatasetWork, WorkItem, uses_native_endpoint
 from eagledata.generate.rescue import free_space
+from eagledata.generate.retryfinal import retry_command
 from eagledata.generate.retries import ClientSettings, RateGate, backoff_delay, retry_after_seconds
 from eagledata.generate.transport import AttemptTimeout, Response, TransportError, new_client, send
 
@@ -363,7 +364,7 @@ class GenerationJob:
             self.stop(f"the {'last' if self.answers_ok else 'first'} {n} answers were all the same final error "
                       f"({out.problem}): a setting or the provider rather than the prompts is likely the cause (the "
                       "model id, the provider routing, the account's data policy, the only provider allowed gone). "
-                      f"Fix it, then request them again: eagledata retry {self.work.settings.name} --status {out.status}")
+                      f"Fix it, then request them again: {retry_command(self.work.settings.name, out.status)}")
 
     async def back_off(self, item: WorkItem, attempt: int, out: Outcome) -> None:
         """Wait before the next attempt (cut short when the job halts)."""

@@ -19,6 +19,8 @@ final error costs nothing; they are counted in ``eagledata plan`` again).
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from collections import Counter
 from datetime import datetime, timezone
@@ -149,6 +151,22 @@ def cmd_retry(args: Any) -> int:
             continue
         print(describe(dataset, counts, args.dry_run))
     return 1 if refused else 0
+
+
+def retry_command(dataset: str, status: int | str | None = None) -> str:
+    """The ``eagledata retry`` command a message suggests for ``dataset`` (and ``status``), with
+    ``--config FILE`` when the Snakemake run read one config file other than the default (the Snakefile
+    passes the files it read to jobs as ``EAGLEDATA_CONFIGFILES``): without it the command would read
+    the default config, which may not name the dataset, or names another cache."""
+    from eagledata.generate.plan import DEFAULT_CONFIG
+
+    try:
+        files = json.loads(os.environ.get("EAGLEDATA_CONFIGFILES") or "[]")
+    except ValueError:
+        files = []
+    # (the command's default is config/config.yaml where it is run: where Snakemake ran, its workdir)
+    config = f" --config {files[0]}" if len(files) == 1 and Path(files[0]).resolve() != Path(DEFAULT_CONFIG).resolve() else ""
+    return f"eagledata retry {dataset}{config}" + (f" --status {status}" if status is not None else "")
 
 
 def describe(dataset: str, counts: Mapping[str, int], dry_run: bool) -> str:
