@@ -53,16 +53,18 @@ include: "rules/export.smk"
 include: "rules/report.smk"
 
 
-# The stamps this process wrote (rules/common.smk), for the jobs run elsewhere to declare the same;
-# the config files it read, for the commands a job's messages suggest (eagledata retry --config).
+# The stamps this process wrote (rules/common.smk), for the jobs run elsewhere to declare the same.
 if workflow.is_main_process:
     os.environ["EAGLEDATA_STAMPS"] = json.dumps(ALL_STAMPS, sort_keys=True)
-    os.environ["EAGLEDATA_CONFIGFILES"] = json.dumps([str(f) for f in workflow.configfiles])
 
 
 envvars:
     "EAGLEDATA_STAMPS",
-    "EAGLEDATA_CONFIGFILES",
+
+
+# The config files this run read, for the commands a job's messages suggest (eagledata retry --config);
+# a job run elsewhere parses the workflow with the same files.
+os.environ["EAGLEDATA_CONFIGFILES"] = json.dumps([str(f) for f in workflow.configfiles])
 
 
 rule all:
