@@ -36,11 +36,15 @@ if DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method:
 else:
     os.environ["EAGLEDATA_PYTHON"] = sys.executable
 os.environ["EAGLEDATA_SCRIPTS"] = str(Path(workflow.basedir) / "scripts")
+# The config files this run read, for the commands a job's messages suggest (eagledata retry --config);
+# set in every process that parses the workflow (a job run elsewhere parses it with the same files).
+os.environ["EAGLEDATA_CONFIGFILES"] = json.dumps([str(f) for f in workflow.configfiles])
 
 
 envvars:
     "EAGLEDATA_PYTHON",
     "EAGLEDATA_SCRIPTS",
+    "EAGLEDATA_CONFIGFILES",
 
 
 include: "rules/common.smk"
@@ -60,11 +64,6 @@ if workflow.is_main_process:
 
 envvars:
     "EAGLEDATA_STAMPS",
-
-
-# The config files this run read, for the commands a job's messages suggest (eagledata retry --config);
-# a job run elsewhere parses the workflow with the same files.
-os.environ["EAGLEDATA_CONFIGFILES"] = json.dumps([str(f) for f in workflow.configfiles])
 
 
 rule all:

@@ -155,9 +155,9 @@ def cmd_retry(args: Any) -> int:
 
 def retry_command(dataset: str, status: int | str | None = None) -> str:
     """The ``eagledata retry`` command a message suggests for ``dataset`` (and ``status``), with
-    ``--config FILE`` when the Snakemake run read one config file other than the default (the Snakefile
-    passes the files it read to jobs as ``EAGLEDATA_CONFIGFILES``): without it the command would read
-    the default config, which may not name the dataset, or names another cache."""
+    ``--config FILE`` when the Snakemake run read one config file other than the default (the workflow
+    sets ``EAGLEDATA_CONFIGFILES`` to the files it read in every process that parses it): without it
+    the command would read the default config, which may not name the dataset, or names another cache."""
     from eagledata.generate.plan import DEFAULT_CONFIG
 
     try:

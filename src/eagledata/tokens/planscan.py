@@ -4,8 +4,7 @@ The plan (:func:`eagledata.tokens.pershard.plan_shards`) checks every record as 
 checks it and needs, of each, its id, line number, byte offset, length and the digest of its line
 (:func:`~eagledata.io.line_digest`),
 and the file's digest (``plan.json``'s ``source_xxh3_128``: the XXH3-128 of its bytes, a check of change
-like the lines' digests; sha256 of a drafter-sized file cost the one-core stage about a twentieth of its
-time). :class:`RecordScan` gives those:
+like the lines' digests, about ten times faster than sha256). :class:`RecordScan` gives those:
 
 - in one pass in this process for a small file (or ``workers=1``);
 - else up to ``workers`` spawned processes (one per 64 MB: :func:`~eagledata.tokens.planfile.plan_processes`) each read one byte range of the file (cut at line starts) and
