@@ -216,7 +216,7 @@ def _model_files(weights):
 
 @functools.cache
 def _weight_files_version(weights):
-    stats = [[Path(f).name, os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in _model_files(weights)]
+    stats = [[Path(f).name, st.st_size, st.st_mtime_ns] for f in _model_files(weights) for st in [os.stat(f)]]
     return hashlib.sha256(json.dumps(stats).encode()).hexdigest()[:16] if stats else ""
 
 

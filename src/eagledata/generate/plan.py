@@ -40,7 +40,6 @@ from __future__ import annotations
 import json
 import math
 import sys
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -56,7 +55,7 @@ from eagledata.generate.prompts import canonical_json
 from eagledata.generate.dedup import dataset_option
 from eagledata.generate.requests import dataset_work
 from eagledata.generate.respell import Respeller
-from eagledata.generate.retryfinal import final_errors
+from eagledata.generate.retryfinal import config_option, final_errors, status_counts
 from eagledata.generate.tokenizers import cached_model_tokenizer, tokenizer_problem, workflow_built
 
 
@@ -203,8 +202,7 @@ def plan_dataset(config: Mapping[str, Any], name: str, estimator: PromptEstimato
 def cached_final_errors(cache: ResponseCache, items: Iterable[Any]) -> dict[str, int]:
     """HTTP status -> how many of ``items`` have a final error cached (counted as cached: not requested
     again until ``eagledata retry`` forgets them)."""
-    statuses = final_errors(cache, keys=(it.cache_key for it in items))
-    return dict(sorted(Counter(str(s) for s in statuses.values()).items()))
+    return status_counts(final_errors(cache, keys=(it.cache_key for it in items)))
 
 
 def _turns_plan(work: Any, cache: ResponseCache, estimator: PromptEstimator,
@@ -307,14 +305,10 @@ def shard_jobs_known(token_plan: str | Path, to_request: int) -> bool:
         return False
 
 
-#: The config ``eagledata plan`` reads by default (the CLI's ``--config``).
-DEFAULT_CONFIG = "config/config.yaml"
-
-
 def format_plan(p: Mapping[str, Any], config_path: str | None = None) -> str:
     """The plan as the table ``eagledata plan`` prints (``config_path``: the config it read, repeated in
     the commands it suggests when it is not the default one)."""
-    config_arg = f" --config {config_path}" if config_path and config_path != DEFAULT_CONFIG else ""
+    config_arg = config_option(config_path)
     def usd(v: float | None) -> str:
         return "-" if v is None else format_usd(v, ",")
 

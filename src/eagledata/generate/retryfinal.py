@@ -35,6 +35,8 @@ from eagledata.io import atomic_write_json
 # module while the workflow is parsed (retry_note_path), and every dry run pays for what it imports
 
 RETRY_NOTE = "retry.json"
+#: The config ``eagledata`` commands read by default (their ``--config``), where they are run.
+DEFAULT_CONFIG = "config/config.yaml"
 
 
 def retry_note_path(cache_dir: str | Path, dataset: str) -> Path:
@@ -85,7 +87,7 @@ def retry_final_errors(cache_dir: str | Path, dataset: str, statuses: Iterable[i
         cache = ResponseCache(path)
         cache.load()
         found = final_errors(cache, statuses)
-        counts = dict(sorted(Counter(str(s) for s in found.values()).items()))
+        counts = status_counts(found)
         if dry_run or not found:
             return counts
         note = {"at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "by": "eagledata retry"}
@@ -158,15 +160,25 @@ def retry_command(dataset: str, status: int | str | None = None) -> str:
     ``--config FILE`` when the Snakemake run read one config file other than the default (the workflow
     sets ``EAGLEDATA_CONFIGFILES`` to the files it read in every process that parses it): without it
     the command would read the default config, which may not name the dataset, or names another cache."""
-    from eagledata.generate.plan import DEFAULT_CONFIG
-
     try:
         files = json.loads(os.environ.get("EAGLEDATA_CONFIGFILES") or "[]")
     except ValueError:
         files = []
-    # (the command's default is config/config.yaml where it is run: where Snakemake ran, its workdir)
-    config = f" --config {files[0]}" if len(files) == 1 and Path(files[0]).resolve() != Path(DEFAULT_CONFIG).resolve() else ""
+    config = config_option(files[0]) if len(files) == 1 else ""
     return f"eagledata retry {dataset}{config}" + (f" --status {status}" if status is not None else "")
+
+
+def config_option(config_path: str | None) -> str:
+    """`` --config FILE`` for a suggested command to read ``config_path``; empty for none, or for the
+    default config (:data:`DEFAULT_CONFIG`, which the command reads where it is run: where Snakemake ran)."""
+    if not config_path or Path(config_path).resolve() == Path(DEFAULT_CONFIG).resolve():
+        return ""
+    return f" --config {config_path}"
+
+
+def status_counts(found: Mapping[str, int]) -> dict[str, int]:
+    """HTTP status (as text) -> how many of ``found`` (:func:`final_errors`) have it, in status order."""
+    return dict(sorted(Counter(str(s) for s in found.values()).items()))
 
 
 def describe(dataset: str, counts: Mapping[str, int], dry_run: bool) -> str:
