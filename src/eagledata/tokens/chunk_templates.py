@@ -24,7 +24,10 @@ the key's raw token is the parsed key), and checks
 its work once: the line with every hole emptied must parse to the chunk with those values emptied.
 
 Written here rather than taken from a library: JSON libraries (orjson, msgspec) parse whole
-documents, and building those documents' objects is the cost this avoids.
+documents, and building those documents' objects is the cost this avoids. The matching has a
+compiled core (``_chunkscan.c``, built by ``pip install`` where a C compiler is found): it returns
+what :meth:`ChunkTemplate.match_lines` returns or declines (then the Python reading below runs),
+and it is used only when built from the source this module expects (:data:`NATIVE_SOURCE_SHA256`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,22 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from eagledata.io import loads_json
+
+#: The sha256 of ``_chunkscan.c`` this module was written for (tests/test_chunkscan.py checks it): a
+#: compiled module built from another source (left by an older install) is not used.
+NATIVE_SOURCE_SHA256 = "a48c8d6a3ad4c232c657e8c4d7c5201f7f5e6ee22870230f17d23c0e636fb191"
+
+
+def _native_matcher() -> Any:
+    """``_chunkscan.match_template_lines`` when that module is built from the expected source, else None."""
+    try:
+        from eagledata.tokens import _chunkscan
+    except ImportError:
+        return None
+    return _chunkscan.match_template_lines if _chunkscan.SOURCE_SHA256 == NATIVE_SOURCE_SHA256 else None
+
+
+_NATIVE_MATCH = _native_matcher()
 
 # One JSON string token as it appears raw: it ends at the first quote not escaped by a backslash.
 # Control characters (line breaks among them) are not JSON inside a string; the decode would refuse
@@ -70,6 +89,15 @@ class ChunkTemplate:
         those strings decoded, hole by hole (``texts[h][j]`` is hole ``h`` of the ``j``-th matched
         line). Raises ``ValueError`` when a matched token does not decode (an invalid escape)."""
         head, tail = "data: " + self.literals[0], self.literals[-1]
+        if _NATIVE_MATCH is not None and type(lines) is list:
+            matched_natively = _NATIVE_MATCH(lines, start, end, head + '"', '"' + tail, self.literals[1:-1])
+            if matched_natively is not None:
+                return matched_natively
+        return self._match_in_python(lines, start, end, head, tail)
+
+    def _match_in_python(self, lines: Sequence[str], start: int, end: int, head: str,
+                         tail: str) -> tuple[list[int], list[list[str]]]:
+        """:meth:`match_lines` without the compiled core (which returns the same or declines)."""
         head_q, q_tail = head + '"', '"' + tail
         segment = lines[start:end]
         at_head = list(map(str.startswith, segment, itertools.repeat(head_q)))
