@@ -1,4 +1,4 @@
-"""The compiled core of the stream reading (eagledata/tokens/_chunkscan.c) returns what the Python
+"""The compiled core of the stream reading (eagledata/tokens/chunkscan.c) returns what the Python
 reading returns, or declines; it is built where a C compiler is, and used only from its own source."""
 import hashlib
 import json
@@ -12,7 +12,7 @@ import pytest
 from eagledata.tokens import chunk_templates
 from eagledata.tokens.chunk_templates import learn_chunk_template
 
-SOURCE = Path(chunk_templates.__file__).with_name("_chunkscan.c")
+SOURCE = Path(chunk_templates.__file__).with_name("chunkscan.c")
 
 
 def _compiler() -> str | None:
@@ -30,11 +30,11 @@ def test_the_core_is_built_and_used_where_a_compiler_is():
 
 
 def test_a_module_built_from_another_source_is_not_used(monkeypatch):
-    _chunkscan = pytest.importorskip("eagledata.tokens._chunkscan")
-    monkeypatch.setattr(_chunkscan, "SOURCE_SHA256", "0" * 64)
+    chunkscan = pytest.importorskip("eagledata.tokens.chunkscan")
+    monkeypatch.setattr(chunkscan, "SOURCE_SHA256", "0" * 64)
     assert chunk_templates._native_matcher() is None
     monkeypatch.undo()
-    assert chunk_templates._native_matcher() is _chunkscan.match_template_lines
+    assert chunk_templates._native_matcher() is chunkscan.match_template_lines
 
 
 TEXTS = ["plain", "", " ", ' "quoted" ', "back\\slash\\", '"content":"x"', '","content":"', "line\nbreak", "tab\t\x01",
@@ -120,5 +120,4 @@ def test_the_core_returns_what_the_python_reading_returns_or_declines():
             returned += 1
             assert fast == slow, (trial, lines)
             assert template.match_lines(lines, start, end) == slow
-    print(returned, declined)
     assert returned > 1000 and declined > 100, (returned, declined)

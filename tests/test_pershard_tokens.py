@@ -433,3 +433,42 @@ def _import_config(work, src, tokenizer) -> dict:
     config["extraction"] = {**config["extraction"], "enabled": False}
     (work / "config/config.yaml").write_text(yaml.safe_dump(config))
     return config
+
+
+@needs_recorded
+def test_streams_read_by_the_compiled_core_give_the_parts_of_the_python_reading(tmp_path, monkeypatch, caplog):
+    """Long streamed answers (read through chunk templates) reconstruct to the same part, column for
+    column, with the compiled core and without it; a job without it says so in its log."""
+    from eagledata.standin.responses import json_body, sse_stream
+    from eagledata.standin.server import SimulatorServer
+    from eagledata.tokens import chunk_templates
+    if not chunk_templates.native_stream_reading():
+        pytest.skip("the compiled core is not built here")
+    import polars as pl
+    fam = get_family("kimi-k2")
+    tok = load_tokenizer(K2, fam)
+    server = SimulatorServer(tok, fam, seed=4, content_tokens=(150, 400), max_generations=1)
+    requests = [json.loads(x)["request"] for x in RECORDED.read_text(encoding="utf-8").splitlines() if x.strip()]
+    records = []
+    for i in range(24):
+        body = {**requests[(7 * i) % len(requests)], "max_tokens": 4000, "stream": i % 4 != 0}
+        g = server.make_generation(body)
+        raw = "".join(f"data: {p}\n\n" for p, _ in sse_stream(g)) if body["stream"] else json_body(g, "")
+        records.append({"id": f"s{i:03d}", "request": body, "status": 200, "response_raw": raw})
+    src = tmp_path / "responses.jsonl"
+    _write(src, records)
+    assert sum(r["response_raw"].count("\n\n") >= 80 for r in records) >= 12  # templated streams
+    plan = ps.plan_shards(src, tmp_path / "plan.json", tmp_path / "slices", "ds", 1000)
+    key = plan["shards"][0]["key"]
+    paths = ps.work_paths(tmp_path, key)
+    parts = {}
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(chunk_templates, "_NATIVE_MATCH", None)
+        part = tmp_path / f"part-{native}.parquet"
+        with caplog.at_level("INFO", logger="eagledata.tokens.pershard"):
+            caplog.clear()
+            ps.reconstruct_shard(paths["slice"], paths["where"], src, part, tmp_path / f"s-{native}.json", tok, fam)
+        assert ("streams read in Python only" in caplog.text) is not native
+        parts[native] = pl.read_parquet(part)
+    assert parts[True].height == 24 and parts[True].equals(parts[False])

@@ -25,7 +25,7 @@ its work once: the line with every hole emptied must parse to the chunk with tho
 
 Written here rather than taken from a library: JSON libraries (orjson, msgspec) parse whole
 documents, and building those documents' objects is the cost this avoids. The matching has a
-compiled core (``_chunkscan.c``, built by ``pip install`` where a C compiler is found): it returns
+compiled core (``chunkscan.c``, built by ``pip install`` where a C compiler is found): it returns
 what :meth:`ChunkTemplate.match_lines` returns or declines (then the Python reading below runs),
 and it is used only when built from the source this module expects (:data:`NATIVE_SOURCE_SHA256`).
 """
@@ -41,21 +41,26 @@ from typing import Any, Mapping, Sequence
 
 from eagledata.io import loads_json
 
-#: The sha256 of ``_chunkscan.c`` this module was written for (tests/test_chunkscan.py checks it): a
+#: The sha256 of ``chunkscan.c`` this module was written for (tests/test_chunkscan.py checks it): a
 #: compiled module built from another source (left by an older install) is not used.
-NATIVE_SOURCE_SHA256 = "a48c8d6a3ad4c232c657e8c4d7c5201f7f5e6ee22870230f17d23c0e636fb191"
+NATIVE_SOURCE_SHA256 = "48aecec88a518609cdf41812120bff145704bea1671ecfdbc31026688a450ebc"
 
 
 def _native_matcher() -> Any:
-    """``_chunkscan.match_template_lines`` when that module is built from the expected source, else None."""
+    """``chunkscan.match_template_lines`` when that module is built from the expected source, else None."""
     try:
-        from eagledata.tokens import _chunkscan
+        from eagledata.tokens import chunkscan
     except ImportError:
         return None
-    return _chunkscan.match_template_lines if _chunkscan.SOURCE_SHA256 == NATIVE_SOURCE_SHA256 else None
+    return chunkscan.match_template_lines if chunkscan.SOURCE_SHA256 == NATIVE_SOURCE_SHA256 else None
 
 
 _NATIVE_MATCH = _native_matcher()
+
+
+def native_stream_reading() -> bool:
+    """Whether streams are read through the compiled core (else in Python only, with the same results)."""
+    return _NATIVE_MATCH is not None
 
 # One JSON string token as it appears raw: it ends at the first quote not escaped by a backslash.
 # Control characters (line breaks among them) are not JSON inside a string; the decode would refuse

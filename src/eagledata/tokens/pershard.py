@@ -69,6 +69,7 @@ from eagledata.tokens.planscan import Entry, RecordScan
 from eagledata.tokens import summaries
 from eagledata.tokens.planfile import plan_keys, read_plan
 from eagledata.tokens.checks import SampleStats
+from eagledata.tokens.chunk_templates import native_stream_reading
 from eagledata.tokens.policy import resolve_policy
 from eagledata.tokens.responses import ParsedResponse
 from eagledata.tokens.samples import parse_record
@@ -286,6 +287,9 @@ def reconstruct_shard(slice_path: str | Path, where_path: str | Path, responses_
                       part_path: str | Path, summary_path: str | Path, tokenizer: Tokenizer, family: ModelFamily,
                       template: str | None = None) -> dict[str, Any]:
     """One shard's samples (its slice, see :func:`iter_slice`) -> its part and summary; returns the summary."""
+    if not native_stream_reading():
+        log.info("streams read in Python only: the compiled core (eagledata/tokens/chunkscan.c) is not built from "
+                 "this source; reinstall (pip install -e .) where a C compiler is found (same results, slower)")
     frames: list[pl.DataFrame] = []
     stats = []
     for batch in _parsed_batches(iter_slice(slice_path, where_path, responses_path)):

@@ -226,9 +226,9 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_chunkscan", NULL, -1, methods, NULL, NULL, NULL, NULL};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "chunkscan", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
-PyMODINIT_FUNC PyInit__chunkscan(void) {
+PyMODINIT_FUNC PyInit_chunkscan(void) {
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     if (PyModule_AddStringConstant(m, "SOURCE_SHA256", CHUNKSCAN_SOURCE_SHA256) < 0) {
