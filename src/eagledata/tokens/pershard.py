@@ -459,16 +459,29 @@ def judge_and_gather(plan_path: str | Path, part_paths: Sequence[str | Path], co
     args = (learned, store_dir, tokenizer, family, policy)
     procs = workers if len(part_paths) >= 2 * workers else 1  # a worker costs about a job's start
     if procs > 1:
-        # spawned, not forked: forking a process that has run polars' threads can deadlock. A spawned
-        # worker imports the caller's main module again (a Snakemake script guards its body for this).
-        with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn"),
-                                 initializer=_judge_worker_init, initargs=args) as pool:
-            entries = list(pool.map(_judge_in_worker, part_paths))
+        entries = _judge_with_helpers(part_paths, args, procs - 1)
     else:
         entries = [judge_shard(p, *args) for p in part_paths]
     log.info("%d shards judged in %d process(es): %d written, %d unchanged (left untouched)", len(entries), procs,
              sum(not e["kept"] for e in entries), sum(e["kept"] for e in entries))
     return _write_manifest(plan, learned, entries, out_dir, store_dir, tokenizer, family, policy)
+
+
+def _judge_with_helpers(part_paths: Sequence[str | Path], args: tuple, helpers: int) -> list[dict[str, Any]]:
+    """:func:`judge_shard` of every part (in order), by ``helpers`` spawned processes and this one
+    together: the helpers take the parts from the first on, this process from the last back (a part no
+    helper has begun is withdrawn from them), so it judges while they start (about a job's start each).
+    Spawned, not forked: forking a process that has run polars' threads can deadlock. A spawned helper
+    imports the caller's main module again (a Snakemake script guards its body for this)."""
+    with ProcessPoolExecutor(helpers, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_judge_worker_init, initargs=args) as pool:
+        futures = [pool.submit(_judge_in_worker, p) for p in part_paths]
+        here: dict[int, dict[str, Any]] = {}
+        for i in reversed(range(len(part_paths))):
+            if not futures[i].cancel():  # begun (or queued) by a helper: so are the ones before it
+                break
+            here[i] = judge_shard(part_paths[i], *args)
+        return [here[i] if i in here else futures[i].result() for i in range(len(part_paths))]
 
 
 _WORKER_ARGS: tuple = ()

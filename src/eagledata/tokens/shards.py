@@ -561,8 +561,9 @@ class Judge:
                     j.verdict = verdict_of(j.reasons)
                     j.repair = dataclasses.replace(res, chosen=None)
                     break
-            else:
-                if _order_unproven(st, _row_parsed(segs, finish), KEY_ORDER_KEPT in set(learned.get(st.provider, ()))):
+            else:  # (arguments as they came: only compact ones can be in question; most samples have none)
+                if "tool_arguments_compact" in st.codes and \
+                        _order_unproven(st, _row_parsed(segs, finish), KEY_ORDER_KEPT in set(learned.get(st.provider, ()))):
                     j.reasons.append("tool_arguments_order_unproven")
                     j.verdict = verdict_of(j.reasons)
 
