@@ -27,6 +27,18 @@ K2 = SHARED / "tokenizers" / "kimi-k2-instruct"
 needs_recorded = pytest.mark.skipif(not (RECORDED.exists() and K2.exists()), reason="needs ../shared recorded data and K2 tokenizer")
 
 
+def _lines_digest(path: Path) -> str:
+    """What plan.json's ``source_lines_xxh3_128`` holds: the XXH3-128 of each record line's ``offset TAB
+    length TAB xxh3_128(line)`` in file order (blank lines are no record; line breaks not in the line)."""
+    digest, offset = xxhash.xxh3_128(), 0
+    for raw in path.read_bytes().split(b"\n"):
+        line = raw.rstrip(b"\r")
+        if line.strip():
+            digest.update(f"{offset}\t{len(line)}\t{xxhash.xxh3_128_hexdigest(line)}\n".encode())
+        offset += len(raw) + 1
+    return digest.hexdigest()
+
+
 def run_pershard(src: Path, work: Path, tok, fam, shard_size: int, dataset: str = "ds", workers: int = 1) -> dict:
     """Every step of the per-shard stage in turn, as the rules run them."""
     plan = ps.plan_shards(src, work / "plan.json", work / "slices", dataset, shard_size)
@@ -58,7 +70,7 @@ def test_per_shard_stage_gives_the_one_job_stage_results_on_recorded_data(tmp_pa
     assert old.manifest["conventions"] == new["conventions"]
     plan = json.loads((tmp_path / "work" / "plan.json").read_text())
     assert old.manifest["rows"] == new["rows"]
-    assert plan["source_xxh3_128"] == xxhash.xxh3_128_hexdigest(Path(RECORDED).read_bytes())
+    assert plan["source_lines_xxh3_128"] == _lines_digest(RECORDED)
     assert new["source_records_sha256"] == plan["source_records_sha256"]
 
 
@@ -165,7 +177,7 @@ def test_plan_read_in_parallel_ranges_is_the_plan_read_in_one_process(tmp_path, 
     with caplog.at_level("INFO", logger=ps.__name__):
         three = ps.plan_shards(src, tmp_path / "three.json", tmp_path / "three" / "slices", "ds", 10, workers=3)
     assert "120 records read in 3 process(es)" in caplog.text
-    assert three == one and one["source_xxh3_128"] == xxhash.xxh3_128_hexdigest(src.read_bytes())
+    assert three == one and one["source_lines_xxh3_128"] == _lines_digest(src)
     lines = src.read_text(encoding="utf-8").split("\n")
     no_id = sorted(f"ds-{n:06d}" for n, line in enumerate(lines, 1) if line.strip() and "id" not in json.loads(line))
     named = sorted(json.loads(line.split("\t")[0]) for p in (tmp_path / "one" / "slices").iterdir()
@@ -304,7 +316,7 @@ def test_the_records_digest_follows_the_records_not_the_order_of_the_lines(tmp_p
     assert plan["source_records_sha256"] == hashlib.sha256(slices).hexdigest()
     _write(src, records[::-1])
     moved = ps.plan_shards(src, tmp_path / "plan.json", tmp_path / "slices", "ds", 10)
-    assert moved["source_xxh3_128"] != plan["source_xxh3_128"]
+    assert moved["source_lines_xxh3_128"] != plan["source_lines_xxh3_128"]
     assert moved["source_records_sha256"] == plan["source_records_sha256"] and moved["slices_written"] == 0
     _write(src, records[:-1] + [dict(records[-1], cost=123.0)])
     changed = ps.plan_shards(src, tmp_path / "plan.json", tmp_path / "slices", "ds", 10)
@@ -337,7 +349,7 @@ def test_a_reorder_of_the_responses_reruns_only_the_plan_and_leaves_a_true_manif
     assert (manifest_path.stat().st_mtime_ns, validated.stat().st_mtime_ns) == stamps
     plan = json.loads((work / "results/rec/tokens.work/plan.json").read_text())
     manifest = json.loads(manifest_path.read_text())
-    assert plan["source_xxh3_128"] == xxhash.xxh3_128_hexdigest((work / "results/rec/responses.jsonl").read_bytes())
+    assert plan["source_lines_xxh3_128"] == _lines_digest(work / "results/rec/responses.jsonl")
     assert "source_sha256" not in manifest  # never a stale file digest
     assert manifest["source_records_sha256"] == plan["source_records_sha256"] == first["source_records_sha256"]
 

@@ -6,7 +6,8 @@ shard, and steps 3-5 together (:func:`learn_and_judge`, the ``tokens`` rule):
 
 1. :func:`plan_shards` (a checkpoint): streams the responses' ids (every record checked, as the
    one-job stage checks them), cuts them by the stable rule (:func:`~eagledata.tokens.shards.shard_groups`)
-   and writes ``plan.json`` (shard key -> rows, first and last id; the file's ``source_xxh3_128`` and
+   and writes ``plan.json`` (shard key -> rows, first and last id; ``source_lines_xxh3_128``, a digest of the file's records
+   as it holds them (:class:`~eagledata.tokens.planscan.RecordScan`), and
    ``source_records_sha256``, the sha256 of the slices concatenated in plan order: the records in id
    order, so a reorder of the lines changes the one, not the other, and the manifest records the other)
    and, per shard, a *slice*,
@@ -66,6 +67,7 @@ from eagledata.io import atomic_path, atomic_write_json, line_digest, loads_json
 from eagledata.text.families import ModelFamily
 from eagledata.text.tokenizer import Tokenizer
 from eagledata.tokens.planscan import Entry, RecordScan
+from eagledata.tokens.sharedwork import shared_map
 from eagledata.tokens import summaries
 from eagledata.tokens.planfile import plan_keys, read_plan
 from eagledata.tokens.checks import SampleStats
@@ -147,7 +149,7 @@ def plan_shards(responses_path: str | Path, plan_path: str | Path, slices_dir: s
             if p.suffix == ".tsv" and p.stem not in keys:
                 p.unlink()
     plan = {"version": PLAN_VERSION, "dataset": dataset, "source": str(responses_path),
-            "source_xxh3_128": digest, "source_records_sha256": records.hexdigest(), "rows": rows,
+            "source_lines_xxh3_128": digest, "source_records_sha256": records.hexdigest(), "rows": rows,
             "sharding": {"rule": SHARDING_RULE, "shard_size": shard_size, "max_rows": MAX_SHARD_FACTOR * shard_size,
                          "key": "sha256(first id)[:16]", "record_digest": "xxh3_128 of the record's line"},
             "shards": shards}
@@ -469,19 +471,12 @@ def judge_and_gather(plan_path: str | Path, part_paths: Sequence[str | Path], co
 
 def _judge_with_helpers(part_paths: Sequence[str | Path], args: tuple, helpers: int) -> list[dict[str, Any]]:
     """:func:`judge_shard` of every part (in order), by ``helpers`` spawned processes and this one
-    together: the helpers take the parts from the first on, this process from the last back (a part no
-    helper has begun is withdrawn from them), so it judges while they start (about a job's start each).
-    Spawned, not forked: forking a process that has run polars' threads can deadlock. A spawned helper
-    imports the caller's main module again (a Snakemake script guards its body for this)."""
+    together (:func:`~eagledata.tokens.sharedwork.shared_map`). Spawned, not forked: forking a process
+    that has run polars' threads can deadlock. A spawned helper imports the caller's main module again
+    (a Snakemake script guards its body for this)."""
     with ProcessPoolExecutor(helpers, mp_context=multiprocessing.get_context("spawn"),
                              initializer=_judge_worker_init, initargs=args) as pool:
-        futures = [pool.submit(_judge_in_worker, p) for p in part_paths]
-        here: dict[int, dict[str, Any]] = {}
-        for i in reversed(range(len(part_paths))):
-            if not futures[i].cancel():  # begun (or queued) by a helper: so are the ones before it
-                break
-            here[i] = judge_shard(part_paths[i], *args)
-        return [here[i] if i in here else futures[i].result() for i in range(len(part_paths))]
+        return shared_map(pool, _judge_in_worker, lambda path: judge_shard(path, *args), part_paths)
 
 
 _WORKER_ARGS: tuple = ()

@@ -2,15 +2,18 @@
 
 The plan (:func:`eagledata.tokens.pershard.plan_shards`) checks every record as the one-job stage
 checks it and needs, of each, its id, line number, byte offset, length and the digest of its line
-(:func:`~eagledata.io.line_digest`),
-and the file's digest (``plan.json``'s ``source_xxh3_128``: the XXH3-128 of its bytes, a check of change
-like the lines' digests, about ten times faster than sha256). :class:`RecordScan` gives those:
+(:func:`~eagledata.io.line_digest`), and a digest of the file's records (``plan.json``'s
+``source_lines_xxh3_128``: the XXH3-128 of each record line's ``offset TAB length TAB digest``, in file
+order: a check of change, which any record changed, moved or added changes, computed from what the
+read gives anyway, where a digest of the whole file's bytes cost a second read of it). :class:`RecordScan`
+gives those:
 
 - in one pass in this process for a small file (or ``workers=1``);
-- else up to ``workers`` spawned processes (one per 64 MB: :func:`~eagledata.tokens.planfile.plan_processes`) each read one byte range of the file (cut at line starts) and
-  write those fields to a scratch file, while this process hashes the whole file (xxhash releases
-  the GIL, so both run at once); the scratch files are then read in file order with their line
-  numbers made global. At drafter-training size (hundreds of GB of streamed bodies) the
+- else in up to ``workers`` processes (one per 64 MB: :func:`~eagledata.tokens.planfile.plan_processes`):
+  this one and spawned helpers, each reading byte ranges of the file (cut at line starts, a few per
+  process, shared out as the processes come to them: :func:`~eagledata.tokens.sharedwork.shared_map`)
+  and writing those fields to a scratch file per range. The scratch files are then read in file
+  order with their line numbers made global. At drafter-training size (hundreds of GB of streamed bodies) the
   one-process read was the stage's longest sequential step.
 
 The results are the same either way: a record without an id gets ``{dataset}-{line:06d}`` from its
@@ -32,16 +35,21 @@ import xxhash
 from eagledata.codeinputs import verify_inherited_code
 from eagledata.io import BLANK_LINE, ResponsesFileError, iter_lines_at, json_line_value, line_digest, open_lines
 from eagledata.tokens.planfile import plan_processes
+from eagledata.tokens.sharedwork import shared_map
 from eagledata.tokens.samples import record_id
 from eagledata.tokens.shards import checked_record
+
+#: byte ranges per process: the ranges are shared out as the processes come to them (a spawned one
+#: starts about a job's start after this one), so smaller ones even out the processes' ends
+RANGES_PER_PROCESS = 4
 
 #: (id, line number, byte offset, length without the line break, digest of the line: io.line_digest)
 Entry = tuple[str, int, int, int, str]
 
 
 class RecordScan:
-    """Iterate :meth:`entries` once (file order); then :attr:`digest` is the file's XXH3-128 (hex)
-    and :attr:`processes` says how many processes read it."""
+    """Iterate :meth:`entries` once (file order); then :attr:`digest` is the digest of the file's records
+    (``source_lines_xxh3_128``, hex) and :attr:`processes` says how many processes read it."""
 
     def __init__(self, path: str | Path, dataset: str, scratch: str | Path, workers: int = 1) -> None:
         self.path, self.dataset, self.scratch = Path(path), dataset, Path(scratch)
@@ -53,26 +61,25 @@ class RecordScan:
         self.digest: str | None = None
 
     def entries(self) -> Iterator[Entry]:
-        return self._one_process() if self.processes == 1 else self._in_ranges()
+        digest = xxhash.xxh3_128()
+        for entry in self._one_process() if self.processes == 1 else self._in_ranges():
+            digest.update(f"{entry[2]}\t{entry[3]}\t{entry[4]}\n".encode("ascii"))
+            yield entry
+        self.digest = digest.hexdigest()
 
     def _one_process(self) -> Iterator[Entry]:
-        digest = xxhash.xxh3_128()
         with open_lines(self.path) as fh:
             for lineno, offset, raw in iter_lines_at(fh):
-                digest.update(raw)
                 entry = _entry(self.path, lineno, offset, raw)
                 if entry is not None:
                     yield self._with_id(entry, entry[1])
-        self.digest = digest.hexdigest()
 
     def _in_ranges(self) -> Iterator[Entry]:
-        cuts = _line_starts(self.path, self.processes)
+        cuts = _line_starts(self.path, self.processes * RANGES_PER_PROCESS)
         outs = [self.scratch / f"scan-{i:04d}.tsv" for i in range(len(cuts) - 1)]
-        with ProcessPoolExecutor(len(outs), mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = [pool.submit(scan_range, str(self.path), a, b, str(out))
-                       for a, b, out in zip(cuts, cuts[1:], outs)]
-            self.digest = file_digest(self.path)  # meanwhile
-            results = [f.result() for f in futures]
+        ranges = [(str(self.path), a, b, str(out)) for a, b, out in zip(cuts, cuts[1:], outs)]
+        with ProcessPoolExecutor(self.processes - 1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            results = shared_map(pool, _scan_range_of, _scan_range_of, ranges)
         bases, base = [], 0
         for lines, error in results:
             if error is not None:
@@ -92,6 +99,10 @@ class RecordScan:
     def _with_id(self, entry: tuple, line: int) -> Entry:
         sid = entry[0] if entry[0] is not None else f"{self.dataset}-{line:06d}"
         return (sid, line, *entry[2:])
+
+
+def _scan_range_of(args: tuple[str, int, int, str]) -> tuple[int, tuple[int, str] | None]:
+    return scan_range(*args)
 
 
 def scan_range(path: str, start: int, end: int, out: str) -> tuple[int, tuple[int, str] | None]:
@@ -125,15 +136,6 @@ def _entry(path: Path, lineno: int, offset: int, raw: bytes) -> tuple | None:
     return sid, lineno, offset, len(line), line_digest(line)
 
 
-def file_digest(path: str | Path, chunk: int = 1 << 22) -> str:
-    """Hex XXH3-128 of a file's bytes, read in chunks (``plan.json``'s ``source_xxh3_128``)."""
-    digest = xxhash.xxh3_128()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(chunk), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _line_starts(path: Path, parts: int) -> list[int]:
     """``parts`` + 1 byte offsets from 0 to the file's size, each inner one at a line's start (ranges
     that would be empty are dropped)."""
@@ -151,4 +153,4 @@ def _line_starts(path: Path, parts: int) -> list[int]:
     return cuts + [size]
 
 
-__all__ = ["Entry", "RecordScan", "file_digest", "scan_range"]
+__all__ = ["Entry", "RecordScan", "scan_range"]
