@@ -43,7 +43,7 @@ from eagledata.io import loads_json
 
 #: The sha256 of ``chunkscan.c`` this module was written for (tests/test_chunkscan.py checks it): a
 #: compiled module built from another source (left by an older install) is not used.
-NATIVE_SOURCE_SHA256 = "48aecec88a518609cdf41812120bff145704bea1671ecfdbc31026688a450ebc"
+NATIVE_SOURCE_SHA256 = "ac5f5dd63eae89034cef29591b5ce97e675661be3ce6a24f716c9f1ea9b5a515"
 
 
 def _native_matcher() -> Any:

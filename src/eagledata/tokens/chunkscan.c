@@ -149,8 +149,8 @@ static PyObject *match_template_lines(PyObject *self, PyObject *args) {
             return NULL;
         }
     }
-    if (start < 0) start = 0;
-    if (end > PyList_GET_SIZE(lines)) end = PyList_GET_SIZE(lines);
+    if (start < 0 || end < 0 || end > PyList_GET_SIZE(lines)) /* (a slice's other readings: the Python way) */
+        Py_RETURN_NONE;
     /* the middle runs from the quote ending head_q to the quote starting q_tail */
     Py_ssize_t head_len = PyUnicode_GET_LENGTH(head_q) - 1, tail_len = PyUnicode_GET_LENGTH(q_tail) - 1;
     Py_ssize_t holes = n_inner + 1;

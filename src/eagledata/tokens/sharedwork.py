@@ -16,7 +16,8 @@ def shared_map(pool: Executor, helper_call: Callable[[Any], Any], local_call: Ca
                items: Sequence[Any]) -> list[Any]:
     """``[call(item) for item in items]``: ``helper_call`` in ``pool``'s processes, ``local_call`` (the same
     work) in this one, on each item not begun by a helper when this process comes to it (it is then
-    withdrawn from the pool). An item's exception is raised here, the first in order."""
+    withdrawn from the pool). An item's exception is raised here: one of this process's at once, a
+    helper's when the results are gathered (the first in order)."""
     futures = [pool.submit(helper_call, item) for item in items]
     here: dict[int, Any] = {}
     for i in reversed(range(len(items))):
