@@ -20,11 +20,16 @@ def shared_map(pool: Executor, helper_call: Callable[[Any], Any], local_call: Ca
     helper's when the results are gathered (the first in order)."""
     futures = [pool.submit(helper_call, item) for item in items]
     here: dict[int, Any] = {}
-    for i in reversed(range(len(items))):
-        if not futures[i].cancel():  # begun (or queued) by a helper: so are the ones before it
-            break
-        here[i] = local_call(items[i])
-    return [here[i] if i in here else futures[i].result() for i in range(len(items))]
+    try:
+        for i in reversed(range(len(items))):
+            if not futures[i].cancel():  # begun (or queued) by a helper: so are the ones before it
+                break
+            here[i] = local_call(items[i])
+        return [here[i] if i in here else futures[i].result() for i in range(len(items))]
+    except BaseException:
+        for future in futures:  # the helpers begin no other item: the job has failed
+            future.cancel()
+        raise
 
 
 __all__ = ["shared_map"]
