@@ -43,7 +43,7 @@ from eagledata.io import loads_json
 
 #: The sha256 of ``chunkscan.c`` this module was written for (tests/test_chunkscan.py checks it): a
 #: compiled module built from another source (left by an older install) is not used.
-NATIVE_SOURCE_SHA256 = "ac5f5dd63eae89034cef29591b5ce97e675661be3ce6a24f716c9f1ea9b5a515"
+NATIVE_SOURCE_SHA256 = "fef69c25c948af8da53b89ebaea86e403cf38422e94a207b1040ac1c8405dff9"
 
 
 def _native_matcher() -> Any:

@@ -177,7 +177,6 @@ static PyObject *match_template_lines(PyObject *self, PyObject *args) {
         if (at < 0) goto done;
         if (!at) continue;
         Py_ssize_t cur = head_len, mid_end = len - tail_len;
-        if (mid_end - cur < 2) goto refused;
         for (Py_ssize_t k = 0; k < n_inner; k++) {
             PyObject *lit = PyTuple_GET_ITEM(inner, k);
             Py_ssize_t pos = PyUnicode_Find(line, lit, cur, mid_end, 1);
