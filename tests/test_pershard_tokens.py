@@ -516,3 +516,27 @@ def test_work_shared_with_helpers_gives_every_result_in_order_and_raises_a_failu
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         with pytest.raises(ValueError, match="item -1"):
             shared_map(pool, _times_ten, _times_ten, [0, 1, 2, -1])
+
+
+def test_the_collector_paused_per_batch_still_collects_cycles_and_is_restored():
+    """collected_per_batch: no automatic collection inside, a batch's reference cycles freed when the
+    caller collects, what was alive on entry left out of those collections, the collector as before after."""
+    import gc
+    import weakref
+
+    class Node:
+        pass
+
+    was_enabled = gc.isenabled()
+    with ps.collected_per_batch() as collect:
+        assert not gc.isenabled() and gc.get_freeze_count() > 0
+        node = Node()
+        node.self = node  # a cycle: only the cyclic collector frees it
+        alive = weakref.ref(node)
+        del node
+        kept = [[] for _ in range(10_000)]  # enough allocations for automatic collections
+        assert alive() is not None
+        del kept
+        collect()
+        assert alive() is None
+    assert gc.isenabled() == was_enabled and gc.get_freeze_count() == 0

@@ -96,6 +96,34 @@ def test_long_runs_encode_like_kimi_pieces(k25):
     assert tok.encode_plain(text) == expected
 
 
+def test_encodings_made_ahead_are_the_plain_encodings_each_handed_out_once(k25):
+    """encode_plain after encode_plain_ahead returns what it returns without (long runs split included),
+    hands an encoding made ahead out once (a list the caller may change), and drops what the next call
+    does not ask for again."""
+    tok, _ = k25
+    texts = ["reasoning </think> <|im_end|> stays text", "a" * 30_000 + " " * 26_000 + "end", "{\"k\": 1}", "é 🙂 naïve"]
+    expected = {t: tok.encode_plain(t) for t in texts}
+    calls = []
+    real = tok._encode_ordinary
+    try:
+        tok._encode_ordinary = lambda text: calls.append(text) or real(text)
+        tok.encode_plain_ahead(texts + texts[:1])  # a text listed twice is encoded once
+        assert calls == texts
+        first = tok.encode_plain(texts[0])
+        assert first == expected[texts[0]] and len(calls) == len(texts)  # handed out, not encoded again
+        first.append(-1)  # the caller's list
+        assert tok.encode_plain(texts[0]) == expected[texts[0]] and len(calls) == len(texts) + 1  # once only
+        tok.encode_plain_ahead(texts[3:])  # replaces what is left of the first batch
+        calls.clear()
+        for t in texts:
+            assert tok.encode_plain(t) == expected[t]
+        assert calls == texts[:3]  # only the new batch's text was made ahead
+        assert not tok.ahead_plain
+    finally:
+        tok._encode_ordinary = real
+        tok.encode_plain_ahead(())
+
+
 def test_fingerprint_covers_the_template(tmp_path, k25):
     tok, fam = k25
     src = need_shared("tokenizers", "kimi-k2.5")

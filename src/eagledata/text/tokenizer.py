@@ -14,6 +14,8 @@ Contract of every tokenizer:
 * ``encode_plain(text)`` never turns text into special ids (``"<|im_end|>"`` written by a model
   stays ordinary tokens); for Kimi it equals Kimi's own tokenizer on the same text, including its
   long-input splitting rule.
+* ``encode_plain_ahead(texts)`` may encode ``texts`` now, for ``encode_plain`` to hand each out
+  once later: a speed-up only (what ``encode_plain`` returns is the same either way).
 * ``encode_with_specials(text)`` parses special-token text (used for rendered chat prompts, as
   the model's chat template path does).
 * ``decodes_to(ids, text)`` is exactly ``decode(ids) == text`` (the validation checks' question;
@@ -66,6 +68,7 @@ class Tokenizer(Protocol):
     tool_declaration: str
 
     def encode_plain(self, text: str) -> list[int]: ...
+    def encode_plain_ahead(self, texts: Iterable[str]) -> None: ...
     def encode_with_specials(self, text: str) -> list[int]: ...
     def decode(self, ids: Sequence[int]) -> str: ...
     def decodes_to(self, ids: list[int], text: str) -> bool: ...
@@ -210,13 +213,32 @@ class TiktokenTokenizer:
     tool_declaration: str = "json"
     #: the most recent plain encodings, text -> a copy of its ids (see :meth:`decodes_to`)
     recent_plain: dict[str, list[int]] = field(default_factory=dict, init=False, repr=False, compare=False)
+    #: plain encodings made ahead (:meth:`encode_plain_ahead`), text -> ids, each handed out once
+    ahead_plain: dict[str, list[int]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def encode_plain(self, text: str) -> list[int]:
+        out = self.ahead_plain.pop(text, None) if self.ahead_plain else None
+        if out is None:
+            out = self._encode_ordinary(text)
+        _remember(self.recent_plain, text, out)
+        return out
+
+    def encode_plain_ahead(self, texts: Iterable[str]) -> None:
+        """Encode ``texts`` now, one after another, for :meth:`encode_plain` to hand each out once
+        (the list itself: the caller owns it), replacing what an earlier call left unused. Encoding a
+        batch's texts in a row runs faster than the same encodings between other work (about a
+        quarter on drafter-sized answers): the BPE's tables stay in the CPU's caches."""
+        ahead: dict[str, list[int]] = {}
+        for text in texts:
+            if text not in ahead:
+                ahead[text] = self._encode_ordinary(text)
+        self.ahead_plain = ahead
+
+    def _encode_ordinary(self, text: str) -> list[int]:
         enc = self.encoding.encode_ordinary  # type: ignore[attr-defined]
         out: list[int] = []
         for piece in split_for_kimi(text):
             out.extend(enc(piece))
-        _remember(self.recent_plain, text, out)
         return out
 
     def encode_with_specials(self, text: str) -> list[int]:
@@ -336,6 +358,9 @@ class HFTokenizer:
 
     def encode_plain(self, text: str) -> list[int]:
         return list(self.tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])  # type: ignore[operator]
+
+    def encode_plain_ahead(self, texts: Iterable[str]) -> None:
+        """Nothing: :meth:`encode_plain` encodes when asked."""
 
     def encode_with_specials(self, text: str) -> list[int]:
         return list(self.tok(text, add_special_tokens=False)["input_ids"])  # type: ignore[operator]

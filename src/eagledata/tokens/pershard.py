@@ -46,6 +46,8 @@ file, so nothing downstream of it reruns).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
 import heapq
 import itertools
@@ -57,7 +59,7 @@ import resource
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import polars as pl
 
@@ -294,16 +296,21 @@ def reconstruct_shard(slice_path: str | Path, where_path: str | Path, responses_
                  "this source; reinstall (pip install -e .) where a C compiler is found (same results, slower)")
     frames: list[pl.DataFrame] = []
     stats = []
-    for batch in _parsed_batches(iter_slice(slice_path, where_path, responses_path)):
-        columns: dict[str, list] = {name: [] for name in PART_SCHEMA}  # built column-wise: one Series each
-        for sid, rec, parsed in batch:
-            st, row = reconstruct_sample(rec, sid, tokenizer, family, template, parsed)
-            row.update(has_eot=st.has_eot, codes=st.codes, has_tools=st.has_tools,
-                       prompt_alt=json.dumps(st.prompt_alt) if st.prompt_alt is not None else None)
-            for name, values in columns.items():
-                values.append(row[name])
-            stats.append(st)
-        frames.append(pl.DataFrame(columns, schema=PART_SCHEMA))
+    with collected_per_batch() as collect:
+        for batch in _parsed_batches(iter_slice(slice_path, where_path, responses_path)):
+            tokenizer.encode_plain_ahead(_answer_texts(batch))
+            columns: dict[str, list] = {name: [] for name in PART_SCHEMA}  # built column-wise: one Series each
+            for sid, rec, parsed in batch:
+                st, row = reconstruct_sample(rec, sid, tokenizer, family, template, parsed)
+                row.update(has_eot=st.has_eot, codes=st.codes, has_tools=st.has_tools,
+                           prompt_alt=json.dumps(st.prompt_alt) if st.prompt_alt is not None else None)
+                for name, values in columns.items():
+                    values.append(row[name])
+                stats.append(st)
+            frames.append(pl.DataFrame(columns, schema=PART_SCHEMA))
+            del batch, columns
+            collect()
+    tokenizer.encode_plain_ahead(())  # nothing left over held
     if not frames:
         frames.append(pl.DataFrame({name: [] for name in PART_SCHEMA}, schema=PART_SCHEMA))
     # the tokenizer as loaded: the dataset job refuses to gather parts reconstructed with another
@@ -330,6 +337,36 @@ def _parsed_batches(records: Iterable[tuple[str, dict[str, Any]]]) -> Iterator[l
             batch = []
     if batch:
         yield batch
+
+
+def _answer_texts(batch: Sequence[tuple[str, dict[str, Any], ParsedResponse]]) -> Iterator[str]:
+    """The texts of a batch's answers that their reconstruction encodes as they are: reasoning, content,
+    each tool call's arguments (a text a reconstruction changes first is encoded when it is asked for)."""
+    for _, _, parsed in batch:
+        for text in (parsed.reasoning, parsed.content):
+            if text:
+                yield text
+        for call in parsed.tool_calls:
+            if call.arguments:
+                yield call.arguments
+
+
+@contextlib.contextmanager
+def collected_per_batch() -> Iterator[Callable[[], int]]:
+    """Python's cyclic garbage collector paused inside, run when the caller calls what this yields (once
+    per batch), and never again over what was alive on entry (the modules, the tokenizer: frozen).
+    Its automatic runs walked the id lists a batch builds (millions of items) again and again: about
+    a twentieth of a drafter-sized shard's job. Cycles are still collected once a batch, so a job's
+    memory does not grow with its shard."""
+    gc.freeze()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield gc.collect
+    finally:
+        if enabled:
+            gc.enable()
+        gc.unfreeze()
 
 
 def part_stats(df: pl.DataFrame) -> list[SampleStats]:
