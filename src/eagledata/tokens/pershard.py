@@ -53,11 +53,9 @@ import heapq
 import itertools
 import json
 import logging
-import multiprocessing
 import os
 import resource
 import tempfile
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -87,7 +85,11 @@ SHARDING_RULE = "ids sorted; a shard starts at each id with int(sha256(id), 16) 
 #: Columns a part carries beyond the final shard's first columns (dropped when judged).
 _STATS_SCHEMA: Mapping[str, Any] = {"has_eot": pl.Boolean, "codes": pl.List(pl.Utf8), "has_tools": pl.Boolean,
                                     "prompt_alt": pl.Utf8}
-PART_SCHEMA: Mapping[str, Any] = {**PASS1_SCHEMA, **_STATS_SCHEMA}
+#: A part's columns: the final shard's first columns and the stats, the ids as 32-bit integers (a
+#: third less to write and read back; the final shard's ``input_ids`` are cast back to 64-bit when judged,
+#: :func:`~eagledata.tokens.shards.with_verdicts`: its bytes are the same; an id past 32 bits is refused
+#: when the part is built, never wrapped).
+PART_SCHEMA: Mapping[str, Any] = {**PASS1_SCHEMA, "input_ids": pl.List(pl.Int32), **_STATS_SCHEMA}
 
 
 def peak_memory_mb() -> float:
@@ -511,6 +513,10 @@ def _judge_with_helpers(part_paths: Sequence[str | Path], args: tuple, helpers: 
     together (:func:`~eagledata.tokens.sharedwork.shared_map`). Spawned, not forked: forking a process
     that has run polars' threads can deadlock. A spawned helper imports the caller's main module again
     (a Snakemake script guards its body for this)."""
+    # imported here: a per-shard job (which imports this module) never spawns, and they cost its start 20 ms
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
     with ProcessPoolExecutor(helpers, mp_context=multiprocessing.get_context("spawn"),
                              initializer=_judge_worker_init, initargs=args) as pool:
         return shared_map(pool, _judge_in_worker, lambda path: judge_shard(path, *args), part_paths)

@@ -25,8 +25,6 @@ process that has run polars' threads can deadlock.
 from __future__ import annotations
 
 import json
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
@@ -78,6 +76,9 @@ class RecordScan:
         cuts = _line_starts(self.path, self.processes * RANGES_PER_PROCESS)
         outs = [self.scratch / f"scan-{i:04d}.tsv" for i in range(len(cuts) - 1)]
         ranges = [(str(self.path), a, b, str(out)) for a, b, out in zip(cuts, cuts[1:], outs)]
+        import multiprocessing  # here: a per-shard job imports this module and never spawns (20 ms of its start)
+        from concurrent.futures import ProcessPoolExecutor
+
         with ProcessPoolExecutor(self.processes - 1, mp_context=multiprocessing.get_context("spawn")) as pool:
             results = shared_map(pool, _scan_range_of, _scan_range_of, ranges)
         bases, base = [], 0

@@ -8,8 +8,10 @@ calling process idle."""
 
 from __future__ import annotations
 
-from concurrent.futures import Executor
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+if TYPE_CHECKING:
+    from concurrent.futures import Executor
 
 
 def shared_map(pool: Executor, helper_call: Callable[[Any], Any], local_call: Callable[[Any], Any],
