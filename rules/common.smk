@@ -13,7 +13,7 @@ from eagledata.extract.weights import compute_setting, layers_setting, model_fil
 from eagledata.generate.prompts import canonical
 from eagledata.generate.requests import TOKENIZER_IDENTITY
 from eagledata.generate.ruleinputs import GenerateRuleInputs
-from eagledata.tokens.planfile import plan_keys, plan_processes
+from eagledata.tokens.planfile import plan_keys, plan_processes, plan_shard_rows
 from eagledata.tokens.policy import validation_setting
 
 validate_config(config, "config")  # same defaults and cross-checks as the library
@@ -255,6 +255,12 @@ def token_shard_keys(wildcards):
     """The shard keys of the dataset's plan (the checkpoint token_plan's output)."""
     plan = checkpoints.token_plan.get(dataset=wildcards.dataset).output.plan
     return plan_keys(plan)
+
+
+def token_shard_priority(wildcards):
+    """A shard job's priority: its shard's rows, so that the larger shards start first and no large one is
+    left to run alone while the other cores wait (the sizes vary: up to 4 x tokens.shard_size rows)."""
+    return plan_shard_rows(f"{TOKENS_WORK.format(dataset=wildcards.dataset)}/plan.json", wildcards.shard)
 
 
 def token_summaries(wildcards):

@@ -51,6 +51,8 @@ rule token_shard:
     output:
         part=f"{TOKENS_WORK}/parts/{{shard}}.parquet",
         summary=f"{TOKENS_WORK}/parts/{{shard}}.summary.json",
+    # the larger shards first (its rows, from the plan)
+    priority: token_shard_priority
     log:
         "logs/{dataset}/token_shard/{shard}.log",
     benchmark:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -370,11 +371,16 @@ def test_one_new_response_rebuilds_only_its_shard(tmp_path):
     _write(src, records)
     tok_dir = shutil.copytree(K2, tmp_path / "k2-tokenizer")
     config = _import_config(work, src, tok_dir)
-    snakemake(work, "rec")
+    run = snakemake(work, "rec")
     assert planned_jobs(work, "rec") == {}
     plan = json.loads((work / "results/rec/tokens.work/plan.json").read_text())
     n_shards = len(plan["shards"])
     assert n_shards > 15
+    # the shard jobs start largest first (their priority: the shard's rows)
+    rows = {s["key"]: s["rows"] for s in plan["shards"]}
+    started = [rows[k] for k in re.findall(r"rule token_shard:\n(?:[^\n]*\n)*?\s*wildcards: dataset=rec, shard=([0-9a-f]{16})",
+                                           run.stdout + run.stderr)]
+    assert len(started) == n_shards and len(set(started)) > 3 and started == sorted(started, reverse=True), started
     parts = work / "results/rec/tokens.work/parts"
     before = {p.name: p.stat().st_mtime_ns for p in parts.glob("*.parquet")}
     store = work / "results/rec/tokens.store"
@@ -540,3 +546,16 @@ def test_the_collector_paused_per_batch_still_collects_cycles_and_is_restored():
         collect()
         assert alive() is None
     assert gc.isenabled() == was_enabled and gc.get_freeze_count() == 0
+
+
+def test_a_shard_jobs_priority_is_its_rows_read_from_the_plan_as_it_is_now(tmp_path):
+    """plan_shard_rows (token_shard's priority): the shard's rows in the plan, read again when the plan
+    changes; 0 for a shard not in it or no plan yet."""
+    from eagledata.tokens.planfile import plan_keys, plan_shard_rows
+    plan = tmp_path / "plan.json"
+    assert plan_shard_rows(plan, "a" * 16) == 0
+    plan.write_text(json.dumps({"shards": [{"key": "a" * 16, "rows": 7}, {"key": "b" * 16, "rows": 30}]}))
+    assert plan_shard_rows(plan, "b" * 16) == 30 and plan_shard_rows(plan, "c" * 16) == 0
+    assert plan_keys(plan) == ["a" * 16, "b" * 16]
+    plan.write_text(json.dumps({"shards": [{"key": "b" * 16, "rows": 12345}]}))  # another size: re-read
+    assert plan_shard_rows(plan, "b" * 16) == 12345 and plan_keys(plan) == ["b" * 16]

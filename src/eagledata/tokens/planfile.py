@@ -1,6 +1,7 @@
 """Reading a tokens plan (``tokens.work/plan.json``, written by :func:`eagledata.tokens.pershard.plan_shards`)
-without importing the stage: the workflow's input functions call :func:`plan_keys` once per job, and
-``token_plan``'s thread count is :func:`plan_processes`."""
+without importing the stage: the workflow's input functions call :func:`plan_keys` once per job, the
+``token_shard`` jobs' priority is :func:`plan_shard_rows`, and ``token_plan``'s thread count is
+:func:`plan_processes`."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-_CACHE: dict[str, tuple[tuple[int, int], list[str]]] = {}
+#: plan path -> ((mtime_ns, size), its shards' keys in order, key -> rows)
+_CACHE: dict[str, tuple[tuple[int, int], list[str], dict[str, int]]] = {}
 #: a process reading the responses for the plan reads at least this many bytes (spawning one costs
 #: about a job's start: imports and the tokenizer, about a second)
 MIN_BYTES_PER_PROCESS = 64 << 20
@@ -25,12 +27,26 @@ def read_plan(plan_path: str | Path) -> dict[str, Any]:
     return json.loads(Path(plan_path).read_text(encoding="utf-8"))
 
 
-def plan_keys(plan_path: str | Path) -> list[str]:
-    """The shard keys of a plan, in id order (cached while the file's mtime and size are unchanged)."""
+def _shards(plan_path: str | Path) -> tuple[tuple[int, int], list[str], dict[str, int]]:
+    """A plan's shards, read again only when the file's mtime or size changed."""
     path = str(plan_path)
     st = os.stat(path)
     stamp = (st.st_mtime_ns, st.st_size)
     hit = _CACHE.get(path)
     if hit is None or hit[0] != stamp:
-        hit = _CACHE[path] = (stamp, [s["key"] for s in read_plan(path)["shards"]])
-    return list(hit[1])
+        shards = read_plan(path)["shards"]
+        hit = _CACHE[path] = (stamp, [s["key"] for s in shards], {s["key"]: int(s["rows"]) for s in shards})
+    return hit
+
+
+def plan_keys(plan_path: str | Path) -> list[str]:
+    """The shard keys of a plan, in id order."""
+    return list(_shards(plan_path)[1])
+
+
+def plan_shard_rows(plan_path: str | Path, key: str) -> int:
+    """The rows of shard ``key`` in the plan; 0 when there is no plan or no such shard in it."""
+    try:
+        return _shards(plan_path)[2].get(key, 0)
+    except OSError:
+        return 0
