@@ -181,6 +181,18 @@ def peak_rss(repo: Path, name: str) -> dict[str, float]:
     return out
 
 
+def shard_phases(repo: Path, name: str) -> dict[str, float]:
+    """Seconds per phase inside the token_shard jobs together, as each job logs them
+    ("N samples in T s: phase t, ...", eagledata.tokens.pershard.PhaseClock)."""
+    out: dict[str, float] = {}
+    for path in (repo / "logs" / name / "token_shard").glob("*.log"):
+        for m in re.finditer(r"samples in [\d.]+ s: (.*)", path.read_text(errors="replace")):
+            for part in m.group(1).split(", "):
+                phase, _, secs = part.rpartition(" ")
+                out[phase] = out.get(phase, 0.0) + float(secs)
+    return out
+
+
 def job_seconds(repo: Path, name: str, pattern: str) -> float:
     """Wall seconds of the jobs whose benchmark: files match ``pattern`` (under benchmarks/out/NAME),
     together: each job's script from its interpreter's start."""
@@ -238,7 +250,7 @@ def pipeline(sizes: list[int], work: Path, shard_size: int = 1000, two_cores: bo
             smk(repo, "--cores", "1", f"results/{name}/responses.jsonl")  # the import is not the tokens stage
             walls[cores] = smk(repo, "--cores", str(cores), f"results/{name}/tokens")
             if cores == 1:
-                parts = stage_parts(repo, name, walls[1])
+                parts, phases = stage_parts(repo, name, walls[1]), shard_phases(repo, name)
         manifest = json.loads((repo / f"results/{name}/tokens/manifest.json").read_text())
         tokens = run(CHILD_COUNT, str(repo / f"results/{name}/tokens"))
         # raw tiktoken again after the stage: the faster of the two (a conservative ratio on a shared machine)
@@ -263,6 +275,9 @@ def pipeline(sizes: list[int], work: Path, shard_size: int = 1000, two_cores: bo
         print(f"  where the 1-core time goes, in ms per sample: "
               + ", ".join(f"{k} {v * 1e3 / manifest['rows']:.2f}" for k, v in parts.items())
               + f"; raw tiktoken's encode of the same text {tokens['tokens'] / raw_rate * 1e3 / manifest['rows']:.2f}", flush=True)
+        print(f"  inside the token_shard jobs (as they log it), in ms per sample: "
+              + ", ".join(f"{k} {v * 1e3 / manifest['rows']:.2f}" for k, v in phases.items())
+              + "; the rest of their time is their starts", flush=True)
     for rule in sorted(rows[0][1]):
         base = rows[0][1][rule] or 1
         growth = [r.get(rule, 0) / base for _, r in rows]

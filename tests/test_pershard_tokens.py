@@ -559,3 +559,23 @@ def test_a_shard_jobs_priority_is_its_rows_read_from_the_plan_as_it_is_now(tmp_p
     assert plan_keys(plan) == ["a" * 16, "b" * 16]
     plan.write_text(json.dumps({"shards": [{"key": "b" * 16, "rows": 12345}]}))  # another size: re-read
     assert plan_shard_rows(plan, "b" * 16) == 12345 and plan_keys(plan) == ["b" * 16]
+
+
+@needs_recorded
+def test_a_shard_job_logs_where_its_time_went(tmp_path, caplog):
+    """reconstruct_shard logs its samples, its time and that time by phase (records read and parsed,
+    answers encoded, samples built and checked, part): the phases add up to the total."""
+    fam = get_family("kimi-k2")
+    tok = load_tokenizer(K2, fam)
+    src = tmp_path / "responses.jsonl"
+    _write(src, _records(40))
+    plan = ps.plan_shards(src, tmp_path / "plan.json", tmp_path / "slices", "ds", 1000)
+    key = plan["shards"][0]["key"]
+    paths = ps.work_paths(tmp_path, key)
+    with caplog.at_level("INFO", logger="eagledata.tokens.pershard"):
+        ps.reconstruct_shard(paths["slice"], paths["where"], src, tmp_path / "p.parquet", tmp_path / "s.json", tok, fam)
+    m = re.search(rf"shard {key}: 40 samples in ([\d.]+) s: (.*)", caplog.text)
+    assert m, caplog.text
+    phases = dict(p.rsplit(" ", 1) for p in m.group(2).split(", "))
+    assert list(phases) == ["records read and parsed", "answers encoded", "samples built and checked", "part"]
+    assert abs(sum(map(float, phases.values())) - float(m.group(1))) <= 0.02 + 1e-9  # each rounded to 0.01

@@ -56,6 +56,7 @@ import logging
 import os
 import resource
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -298,9 +299,12 @@ def reconstruct_shard(slice_path: str | Path, where_path: str | Path, responses_
                  "this source; reinstall (pip install -e .) where a C compiler is found (same results, slower)")
     frames: list[pl.DataFrame] = []
     stats = []
+    clock = PhaseClock()
     with collected_per_batch() as collect:
         for batch in _parsed_batches(iter_slice(slice_path, where_path, responses_path)):
+            clock.tick("records read and parsed")
             tokenizer.encode_plain_ahead(_answer_texts(batch))
+            clock.tick("answers encoded")
             columns: dict[str, list] = {name: [] for name in PART_SCHEMA}  # built column-wise: one Series each
             for sid, rec, parsed in batch:
                 st, row = reconstruct_sample(rec, sid, tokenizer, family, template, parsed)
@@ -309,9 +313,12 @@ def reconstruct_shard(slice_path: str | Path, where_path: str | Path, responses_
                 for name, values in columns.items():
                     values.append(row[name])
                 stats.append(st)
+            clock.tick("samples built and checked")
             frames.append(pl.DataFrame(columns, schema=PART_SCHEMA))
             del batch, columns
             collect()
+            clock.tick("part")
+    clock.tick("records read and parsed")
     tokenizer.encode_plain_ahead(())  # nothing left over held
     if not frames:
         frames.append(pl.DataFrame({name: [] for name in PART_SCHEMA}, schema=PART_SCHEMA))
@@ -322,7 +329,26 @@ def reconstruct_shard(slice_path: str | Path, where_path: str | Path, responses_
         pl.concat(frames).write_parquet(tmp, compression="zstd")
     Path(summary_path).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(summary_path, summary)
+    clock.tick("part")
+    log.info("shard %s: %d samples in %s", Path(slice_path).stem, len(stats), clock)
     return summary
+
+
+class PhaseClock:
+    """Where a job's time goes, for its log: :meth:`tick` adds the time since the previous tick (or since
+    the clock was made) to a phase; ``str()`` is ``"T s: phase t, ..."`` in the order phases first came."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+        self.spent: dict[str, float] = {}
+
+    def tick(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.spent[phase] = self.spent.get(phase, 0.0) + now - self.last
+        self.last = now
+
+    def __str__(self) -> str:
+        return f"{self.last - self.start:.2f} s: " + ", ".join(f"{k} {v:.2f}" for k, v in self.spent.items())
 
 
 def _parsed_batches(records: Iterable[tuple[str, dict[str, Any]]]) -> Iterator[list[tuple[str, dict[str, Any], ParsedResponse]]]:
