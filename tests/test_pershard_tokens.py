@@ -492,7 +492,6 @@ def test_streams_read_by_the_compiled_core_give_the_parts_of_the_python_reading(
     assert parts[True].height == 24 and parts[True].equals(parts[False])
 
 
-
 def _times_ten(x: int) -> int:
     if x < 0:
         raise ValueError(f"item {x}")
@@ -504,9 +503,7 @@ def test_work_shared_with_helpers_gives_every_result_in_order_and_raises_a_failu
     """shared_map: the job's process takes the items from the last back (here 0.05 s each) while a
     spawned helper starts and takes them from the first (the others); every result comes back in order,
     whoever computed it; a failing item's exception is raised."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-    from eagledata.tokens.sharedwork import shared_map
+    from eagledata.tokens.sharedwork import shared_map, spawned_pool
     done_here: list[int] = []
 
     def here(x: int) -> int:
@@ -515,11 +512,11 @@ def test_work_shared_with_helpers_gives_every_result_in_order_and_raises_a_failu
         return _times_ten(x)
 
     items = list(range(200))
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with spawned_pool(1) as pool:
         assert shared_map(pool, _times_ten, here, items) == [x * 10 for x in items]
     # a run from the end, and not all of them: the helper (started within 10 s) did the others
     assert done_here and done_here == items[::-1][:len(done_here)] and len(done_here) < len(items)
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with spawned_pool(1) as pool:
         with pytest.raises(ValueError, match="item -1"):
             shared_map(pool, _times_ten, _times_ten, [0, 1, 2, -1])
 

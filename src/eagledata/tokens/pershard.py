@@ -68,7 +68,7 @@ from eagledata.io import atomic_path, atomic_write_json, line_digest, loads_json
 from eagledata.text.families import ModelFamily
 from eagledata.text.tokenizer import Tokenizer
 from eagledata.tokens.planscan import Entry, RecordScan
-from eagledata.tokens.sharedwork import shared_map
+from eagledata.tokens.sharedwork import shared_map, spawned_pool
 from eagledata.tokens import summaries
 from eagledata.tokens.planfile import plan_keys, read_plan
 from eagledata.tokens.checks import SampleStats
@@ -536,15 +536,8 @@ def judge_and_gather(plan_path: str | Path, part_paths: Sequence[str | Path], co
 
 def _judge_with_helpers(part_paths: Sequence[str | Path], args: tuple, helpers: int) -> list[dict[str, Any]]:
     """:func:`judge_shard` of every part (in order), by ``helpers`` spawned processes and this one
-    together (:func:`~eagledata.tokens.sharedwork.shared_map`). Spawned, not forked: forking a process
-    that has run polars' threads can deadlock. A spawned helper imports the caller's main module again
-    (a Snakemake script guards its body for this)."""
-    # imported here: a per-shard job (which imports this module) never spawns, and they cost its start 20 ms
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    with ProcessPoolExecutor(helpers, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_judge_worker_init, initargs=args) as pool:
+    together (:mod:`eagledata.tokens.sharedwork`)."""
+    with spawned_pool(helpers, initializer=_judge_worker_init, initargs=args) as pool:
         return shared_map(pool, _judge_in_worker, lambda path: judge_shard(path, *args), part_paths)
 
 

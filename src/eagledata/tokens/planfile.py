@@ -10,8 +10,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-#: plan path -> ((mtime_ns, size), its shards' keys in order, key -> rows)
-_CACHE: dict[str, tuple[tuple[int, int], list[str], dict[str, int]]] = {}
+#: plan path -> ((mtime_ns, size), its shards' rows by key, in the plan's order)
+_CACHE: dict[str, tuple[tuple[int, int], dict[str, int]]] = {}
 #: a process reading the responses for the plan reads at least this many bytes (spawning one costs
 #: about a job's start: imports and the tokenizer, about a second)
 MIN_BYTES_PER_PROCESS = 64 << 20
@@ -27,26 +27,25 @@ def read_plan(plan_path: str | Path) -> dict[str, Any]:
     return json.loads(Path(plan_path).read_text(encoding="utf-8"))
 
 
-def _shards(plan_path: str | Path) -> tuple[tuple[int, int], list[str], dict[str, int]]:
-    """A plan's shards, read again only when the file's mtime or size changed."""
+def _shard_rows(plan_path: str | Path) -> dict[str, int]:
+    """A plan's shards' rows by key, in the plan's order; read again only when the file's mtime or size changed."""
     path = str(plan_path)
     st = os.stat(path)
     stamp = (st.st_mtime_ns, st.st_size)
     hit = _CACHE.get(path)
     if hit is None or hit[0] != stamp:
-        shards = read_plan(path)["shards"]
-        hit = _CACHE[path] = (stamp, [s["key"] for s in shards], {s["key"]: int(s["rows"]) for s in shards})
-    return hit
+        hit = _CACHE[path] = (stamp, {s["key"]: int(s["rows"]) for s in read_plan(path)["shards"]})
+    return hit[1]
 
 
 def plan_keys(plan_path: str | Path) -> list[str]:
     """The shard keys of a plan, in id order."""
-    return list(_shards(plan_path)[1])
+    return list(_shard_rows(plan_path))
 
 
 def plan_shard_rows(plan_path: str | Path, key: str) -> int:
     """The rows of shard ``key`` in the plan; 0 when there is no plan or no such shard in it."""
     try:
-        return _shards(plan_path)[2].get(key, 0)
+        return _shard_rows(plan_path).get(key, 0)
     except OSError:
         return 0

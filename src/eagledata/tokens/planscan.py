@@ -18,8 +18,8 @@ gives those:
 
 The results are the same either way: a record without an id gets ``{dataset}-{line:06d}`` from its
 global line, and the first bad record in file order is refused with the message the one-process
-read gives (the same text, the same global line). Processes are spawned, not forked: forking a
-process that has run polars' threads can deadlock.
+read gives (the same text, the same global line). Processes are spawned, not forked
+(:func:`~eagledata.tokens.sharedwork.spawned_pool`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import xxhash
 from eagledata.codeinputs import verify_inherited_code
 from eagledata.io import BLANK_LINE, ResponsesFileError, iter_lines_at, json_line_value, line_digest, open_lines
 from eagledata.tokens.planfile import plan_processes
-from eagledata.tokens.sharedwork import shared_map
+from eagledata.tokens.sharedwork import shared_map, spawned_pool
 from eagledata.tokens.samples import record_id
 from eagledata.tokens.shards import checked_record
 
@@ -76,10 +76,7 @@ class RecordScan:
         cuts = _line_starts(self.path, self.processes * RANGES_PER_PROCESS)
         outs = [self.scratch / f"scan-{i:04d}.tsv" for i in range(len(cuts) - 1)]
         ranges = [(str(self.path), a, b, str(out)) for a, b, out in zip(cuts, cuts[1:], outs)]
-        import multiprocessing  # here: a per-shard job imports this module and never spawns (20 ms of its start)
-        from concurrent.futures import ProcessPoolExecutor
-
-        with ProcessPoolExecutor(self.processes - 1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        with spawned_pool(self.processes - 1) as pool:
             results = shared_map(pool, _scan_range_of, _scan_range_of, ranges)
         bases, base = [], 0
         for lines, error in results:

@@ -4,7 +4,7 @@ A spawned helper costs about a job's start before it does any work (the interpre
 the tokenizer). :func:`shared_map` keeps the job's own process working meanwhile: the helpers take
 the items from the first on, the job's process from the last back, and they meet where the helpers
 have got to. Written here rather than taken from the standard library: ``Executor.map`` leaves the
-calling process idle."""
+calling process idle. :func:`spawned_pool` makes the helpers' pool."""
 
 from __future__ import annotations
 
@@ -12,6 +12,18 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:
     from concurrent.futures import Executor
+
+
+def spawned_pool(processes: int, initializer: Callable[..., Any] | None = None, initargs: tuple = ()) -> Executor:
+    """A pool of ``processes`` spawned helper processes. Spawned, not forked: forking a process that has
+    run polars' threads (polars starts some on import) can deadlock. A spawned helper imports the caller's
+    main module again (a Snakemake script guards its body for this). The modules are imported here, when a
+    pool is made: a per-shard job never makes one, and importing them cost its start 20 ms."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    return ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"), initializer=initializer,
+                               initargs=initargs)
 
 
 def shared_map(pool: Executor, helper_call: Callable[[Any], Any], local_call: Callable[[Any], Any],
@@ -34,4 +46,4 @@ def shared_map(pool: Executor, helper_call: Callable[[Any], Any], local_call: Ca
         raise
 
 
-__all__ = ["shared_map"]
+__all__ = ["shared_map", "spawned_pool"]
