@@ -58,7 +58,7 @@ import shutil
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import polars as pl
 
@@ -561,9 +561,8 @@ class Judge:
                     j.verdict = verdict_of(j.reasons)
                     j.repair = dataclasses.replace(res, chosen=None)
                     break
-            else:  # (arguments as they came: only compact ones can be in question; most samples have none)
-                if "tool_arguments_compact" in st.codes and \
-                        _order_unproven(st, _row_parsed(segs, finish), KEY_ORDER_KEPT in set(learned.get(st.provider, ()))):
+            else:  # the arguments as they came
+                if _order_unproven(st, lambda: _row_parsed(segs, finish), KEY_ORDER_KEPT in set(learned.get(st.provider, ()))):
                     j.reasons.append("tool_arguments_order_unproven")
                     j.verdict = verdict_of(j.reasons)
 
@@ -581,7 +580,7 @@ class Judge:
                                    self._conv(st), thinking, only=known + (ARGUMENTS_RESPACED,))
             res = wider if wider.status == "ambiguous" else res
         j.repair = res
-        if res.status == "unique" and _order_unproven(st, parsed, order_kept, ARGUMENTS_RESPACED in res.transforms):
+        if res.status == "unique" and _order_unproven(st, lambda: parsed, order_kept, ARGUMENTS_RESPACED in res.transforms):
             j.repair = dataclasses.replace(res, chosen=None)
             j.reasons.append("tool_arguments_order_unproven")
             j.verdict = verdict_of(j.reasons)
@@ -595,11 +594,12 @@ class Judge:
             j.verdict = verdict_of(j.reasons)
 
 
-def _order_unproven(st: SampleStats, parsed, order_kept: bool, respaced: bool = False) -> bool:
+def _order_unproven(st: SampleStats, parsed_of: Callable[[], Any], order_kept: bool, respaced: bool = False) -> bool:
     """Re-serialized arguments (``respaced`` by the chosen repair, or compact as they came) whose key
     order a sorting re-serializer could have written, from a provider not proven to keep key order
-    (``order_kept``): the counts cannot prove it."""
-    return (respaced or "tool_arguments_compact" in st.codes) and key_order_in_question(parsed, order_kept)
+    (``order_kept``): the counts cannot prove it. ``parsed_of()`` gives the sample's parsed answer; it is
+    asked for only when the arguments were re-serialized (most samples' were not)."""
+    return (respaced or "tool_arguments_compact" in st.codes) and key_order_in_question(parsed_of(), order_kept)
 
 
 #: Samples a transformation needs as evidence before a provider is taken to apply it: one sample is no
