@@ -60,7 +60,9 @@ rule token_shard:
     conda:
         "../envs/core.yaml"
     # a shell command, not script: (EAGLEDATA_PYTHON and EAGLEDATA_SCRIPTS: set in the Snakefile); the
-    # tokenizer settings come from the stamp
+    # tokenizer settings come from the stamp. The job runs in a warm worker where it can
+    # (eagledata.tokens.warmjobs; EAGLEDATA_WARM_WORKERS=0 turns them off): the benchmark: file then
+    # measures the job's own process, not the worker; the job's log has its peak memory.
     shell:
         '"$EAGLEDATA_PYTHON" "$EAGLEDATA_SCRIPTS/token_shard.py" --slice {input.slice:q} --stamp {input.stamp:q} '
         "--part {output.part:q} --summary {output.summary:q} --log {log:q}"

@@ -13,6 +13,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("EAGLEDATA_SHARED", ROOT.parent / "shared"))
+# the shard jobs' warm workers (eagledata.tokens.warmjobs) of the many work directories the tests run
+# the workflow in end a few seconds after their last job, not 30 s
+os.environ.setdefault("EAGLEDATA_WARM_IDLE_S", "3")
 
 
 def need_shared(*parts: str) -> Path:

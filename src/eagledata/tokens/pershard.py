@@ -62,7 +62,8 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import polars as pl
 
-from eagledata.codeinputs import verify_inherited_code
+from eagledata.codeinputs import stamp_settings, verify_inherited_code, verify_loaded_code
+from eagledata.config import tokenizer_from_settings
 from eagledata.errors import StageError
 from eagledata.io import atomic_path, atomic_write_json, line_digest, loads_json, replace_unless_same, sha256_file
 from eagledata.text.families import ModelFamily
@@ -331,6 +332,20 @@ def reconstruct_shard(slice_path: str | Path, where_path: str | Path, responses_
     atomic_write_json(summary_path, summary)
     clock.tick("part")
     log.info("shard %s: %d samples in %s", Path(slice_path).stem, len(stats), clock)
+    return summary
+
+
+def run_shard_job(slice_path: str | Path, stamp: str | Path, part_path: str | Path, summary_path: str | Path,
+                  loaded: tuple[Tokenizer, ModelFamily] | None = None) -> dict[str, Any]:
+    """The ``token_shard`` job: its slice -> its part and summary, with the tokenizer its stage ``stamp``
+    names (``loaded``: that tokenizer and family, where the caller holds them: a warm worker,
+    :mod:`eagledata.tokens.warmjobs`). The code it runs is checked against the stamp before and after."""
+    verify_loaded_code([stamp])
+    tokenizer, family = loaded or tokenizer_from_settings(stamp_settings(stamp))
+    where, responses = slice_sources(slice_path)
+    summary = reconstruct_shard(slice_path, where, responses, part_path, summary_path, tokenizer, family)
+    log.info("peak memory %.0f MB", peak_memory_mb())
+    verify_loaded_code([stamp])
     return summary
 
 
@@ -618,5 +633,5 @@ def _write_manifest(plan: Mapping[str, Any], learned: dict[str, Any], entries: S
     return manifest
 
 
-__all__ = ["PART_SCHEMA", "iter_slice", "judge_and_gather", "judge_shard", "learn_and_judge", "learn_repairs", "learn_summaries",
+__all__ = ["PART_SCHEMA", "iter_slice", "run_shard_job", "judge_and_gather", "judge_shard", "learn_and_judge", "learn_repairs", "learn_summaries",
            "part_stats", "refuse_stale_parts", "peak_memory_mb", "plan_keys", "plan_shards", "read_plan", "reconstruct_shard", "shard_key", "slice_sources", "work_paths"]

@@ -1,0 +1,110 @@
+"""Warm workers for the per-shard token jobs (eagledata.tokens.warmjobs), with real snakemake runs:
+a job run in a worker writes the bytes its own process writes; workers end when idle, with a job whose
+process ends first, and a job whose worker ends first runs in its own process."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from test_pershard_tokens import K2, _import_config, _records, _write, needs_recorded
+from workflow_runs import copy_repo, snakemake
+
+WARM = re.compile(r"run in warm worker (\d+) \(slot (\d+), its job (\d+)\)")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            return not any(line.startswith("State:") and "Z" in line.split()[1] for line in fh)
+    except OSError:
+        return False
+
+
+def _wait_until(what, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if what():
+            return True
+        time.sleep(0.05)
+    return what()
+
+
+def _job_command(work: Path, key: str) -> list[str]:
+    stamp = next(work.glob("results/_code/datasets/rec/tokens.*.sha256")).relative_to(work)
+    w = "results/rec/tokens.work"
+    return [sys.executable, "scripts/token_shard.py", "--slice", f"{w}/slices/{key}.tsv", "--stamp", str(stamp),
+            "--part", f"{w}/parts/{key}.parquet", "--summary", f"{w}/parts/{key}.summary.json",
+            "--log", f"logs/rec/token_shard/{key}.log"]
+
+
+@needs_recorded
+@pytest.mark.workflow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="warm workers are Linux only")
+def test_shard_jobs_in_warm_workers_write_what_their_own_processes_write(tmp_path):
+    """80 recorded responses in shards of 10, with 2 cores: every job run in its own process
+    (EAGLEDATA_WARM_WORKERS=0), then every job again in warm workers (at most one per core, most
+    running several jobs): the parts, summaries and final shards are the same bytes, every job logs
+    its peak memory, and the workers end once idle. A worker whose job's process is killed ends
+    without writing the part; a job whose worker is killed runs in its own process and writes it."""
+    work = copy_repo(tmp_path / "w")
+    src = tmp_path / "responses.jsonl"
+    _write(src, _records(80))
+    _import_config(work, src, K2)
+    snakemake(work, "rec", env={"EAGLEDATA_WARM_WORKERS": "0"})
+    parts = work / "results/rec/tokens.work/parts"
+    own = {p.name: p.read_bytes() for p in parts.iterdir()}
+    store = work / "results/rec/tokens.store"
+    stored = sorted(p.name for p in store.glob("*.parquet"))
+    logs = sorted((work / "logs/rec/token_shard").glob("*.log"))
+    assert len(logs) >= 6 and all("run in its own process: EAGLEDATA_WARM_WORKERS=0" in p.read_text() for p in logs)
+
+    for p in logs:
+        p.unlink()
+    for p in store.glob("*.parquet"):
+        p.unlink()
+    snakemake(work, "rec", "--forcerun", "token_shard", env={"EAGLEDATA_WARM_IDLE_S": "4"})
+    assert {p.name: p.read_bytes() for p in parts.iterdir()} == own
+    assert sorted(p.name for p in store.glob("*.parquet")) == stored
+    texts = {p.stem: p.read_text() for p in logs}
+    runs = {k: [tuple(map(int, m)) for m in WARM.findall(t)] for k, t in texts.items()}
+    assert all(len(r) == 1 for r in runs.values()), texts
+    assert all(re.search(r"peak memory \d+ MB", t) and "run in its own process" not in t for t in texts.values())
+    workers = {r[0][0] for r in runs.values()}
+    assert 1 <= len(workers) <= 2 and max(r[0][2] for r in runs.values()) > 1, runs
+    assert _wait_until(lambda: not any(map(_alive, workers)), 15), "the workers did not end once idle"
+
+    # a job whose process ends before its job does ends its worker, which writes nothing
+    env = {**os.environ, "PYTHONPATH": str(work / "src"), "EAGLEDATA_WARM_IDLE_S": "30"}
+    key = sorted(texts)[0]
+    subprocess.run(_job_command(work, key), cwd=work, env=env, check=True)  # starts slot 0's worker
+    worker = int(WARM.findall((work / f"logs/rec/token_shard/{key}.log").read_text())[-1][0])
+    assert _alive(worker)
+    (parts / f"{key}.parquet").unlink()
+    os.kill(worker, signal.SIGSTOP)  # the job's request waits in the worker's socket
+    job = subprocess.Popen(_job_command(work, key), cwd=work, env=env)
+    time.sleep(1.5)
+    job.kill()
+    job.wait()
+    os.kill(worker, signal.SIGCONT)
+    assert _wait_until(lambda: not _alive(worker), 10), "the worker outlived its job's process"
+    assert not (parts / f"{key}.parquet").exists()
+
+    # a job whose worker ends first runs in its own process
+    subprocess.run(_job_command(work, key), cwd=work, env=env, check=True)  # a new worker for slot 0
+    worker = int(WARM.findall((work / f"logs/rec/token_shard/{key}.log").read_text())[-1][0])
+    (parts / f"{key}.parquet").unlink()
+    os.kill(worker, signal.SIGSTOP)
+    job = subprocess.Popen(_job_command(work, key), cwd=work, env=env)
+    time.sleep(1.5)
+    os.kill(worker, signal.SIGKILL)
+    assert job.wait(timeout=60) == 0
+    assert (parts / f"{key}.parquet").read_bytes() == own[f"{key}.parquet"]
+    assert "run in its own process: the warm worker ended before the job did" in \
+        (work / f"logs/rec/token_shard/{key}.log").read_text()
