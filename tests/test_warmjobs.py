@@ -79,9 +79,14 @@ def test_shard_jobs_in_warm_workers_write_what_their_own_processes_write(tmp_pat
     workers = {r[0][0] for r in runs.values()}
     assert 1 <= len(workers) <= 2 and max(r[0][2] for r in runs.values()) > 1, runs
     assert _wait_until(lambda: not any(map(_alive, workers)), 15), "the workers did not end once idle"
+    env = {**os.environ, "PYTHONPATH": str(work / "src"), "EAGLEDATA_WARM_IDLE_S": "30"}
+    stamp = _job_command(work, "k")[5]
+    where = subprocess.run([sys.executable, "-c", "from eagledata.tokens import warmjobs as w; "
+                            f"print(w.private_dir(), w.worker_key({stamp!r}))"], cwd=work, env=env, text=True,
+                           capture_output=True, check=True).stdout.split()
+    assert not list(Path(where[0]).glob(f"{where[1]}-*")), "an idle worker left its slot's files"
 
     # a job whose process ends before its job does ends its worker, which writes nothing
-    env = {**os.environ, "PYTHONPATH": str(work / "src"), "EAGLEDATA_WARM_IDLE_S": "30"}
     key = sorted(texts)[0]
     subprocess.run(_job_command(work, key), cwd=work, env=env, check=True)  # starts slot 0's worker
     worker = int(WARM.findall((work / f"logs/rec/token_shard/{key}.log").read_text())[-1][0])

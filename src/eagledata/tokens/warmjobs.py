@@ -25,7 +25,8 @@ How a job finds one (:func:`main`, called by ``scripts/token_shard.py`` before a
   status (one JSON line back).
 
 Lifecycle: a worker ends when idle for ``EAGLEDATA_WARM_IDLE_S`` seconds (default 30) with no job holding
-its slot; after a failed job (nothing of a failure outlives it); and at once when the job's process ends
+its slot (removing the slot's files); after a failed job (nothing of a failure outlives it); after
+:data:`MAX_JOBS` jobs; and at once when the job's process ends
 before the job does (Snakemake stopping a job ends its process: the worker sees the connection close).
 Where a worker cannot be used the job runs in its own process, as it always could, and its log says why:
 not Linux; ``EAGLEDATA_WARM_WORKERS=0``; under SLURM (``SLURM_JOB_ID``: a job's allocation ends with it,
@@ -63,6 +64,8 @@ IDLE_ENV = "EAGLEDATA_WARM_IDLE_S"
 DEFAULT_IDLE_S = 30.0
 #: how long a job waits for a worker it started to listen
 START_TIMEOUT_S = 60.0
+#: jobs a worker runs before it ends (what Python's allocator keeps between jobs is given back)
+MAX_JOBS = 64
 #: a worker whose job's process ended first ends with this status
 EXIT_CLIENT_GONE = 75
 #: the arguments of a token_shard job (scripts/token_shard.py)
@@ -267,7 +270,8 @@ def serve(address: str, lock: str | Path, stamp: str, idle_s: float) -> None:
     while True:
         code = 0
         if not select.select([listener], [], [], idle_s)[0]:
-            if _take_lock(lock):
+            if _take_lock(lock):  # no job holds or waits for the slot: end, and leave nothing behind
+                _remove_slot_files(Path(lock))
                 return
             continue
         conn, _ = listener.accept()
@@ -286,7 +290,7 @@ def serve(address: str, lock: str | Path, stamp: str, idle_s: float) -> None:
                                                                  job["summary"], loaded), f"slot {slot}, its job {jobs}")
             conn.sendall(json.dumps({"code": code}).encode("utf-8") + b"\n")
             conn.shutdown(socket.SHUT_RDWR)
-        if code != 0:
+        if code != 0 or jobs >= MAX_JOBS:
             return
 
 
@@ -322,6 +326,16 @@ def _restart_peak_memory() -> None:
     with contextlib.suppress(OSError):
         with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
             fh.write("5")
+
+
+def _remove_slot_files(lock: Path) -> None:
+    """The slot's lock file, and its log where empty: a job that opened the lock before it is removed
+    and one that makes it anew may both reach the slot's address; the second waits for the first's job."""
+    with contextlib.suppress(OSError):
+        lock.unlink()
+        log_file = lock.with_suffix(".log")
+        if log_file.stat().st_size == 0:
+            log_file.unlink()
 
 
 def _peer_uid(conn: socket.socket) -> int:
