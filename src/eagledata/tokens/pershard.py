@@ -88,8 +88,8 @@ SHARDING_RULE = "ids sorted; a shard starts at each id with int(sha256(id), 16) 
 _STATS_SCHEMA: Mapping[str, Any] = {"has_eot": pl.Boolean, "codes": pl.List(pl.Utf8), "has_tools": pl.Boolean,
                                     "prompt_alt": pl.Utf8}
 #: A part's columns: the final shard's first columns and the stats, the ids as 32-bit integers (a
-#: third less to write and read back; the final shard's ``input_ids`` are cast back to 64-bit when judged,
-#: :func:`~eagledata.tokens.shards.with_verdicts`: its bytes are the same; an id past 32 bits is refused
+#: third less to write and read back; the final shard's ``input_ids`` are cast back to 64-bit once its
+#: judged chunks are gathered, :func:`judge_shard`: its bytes are the same; an id past 32 bits is refused
 #: when the part is built, never wrapped).
 PART_SCHEMA: Mapping[str, Any] = {**PASS1_SCHEMA, "input_ids": pl.List(pl.Int32), **_STATS_SCHEMA}
 
@@ -509,6 +509,10 @@ def judge_shard(part_path: str | Path, learned: Mapping[str, Any], store_dir: st
         _add_counts(seen, transformations_seen(stats, judged))
     del part
     df = pl.concat(frames).rechunk()
+    del frames
+    # the ids cast to the final shard's 64 bits once gathered (the 32-bit chunks and their gathered copy
+    # held together, not the 64-bit ones: the job's peak follows the largest shard's ids)
+    df = df.with_columns(pl.col("input_ids").cast(PASS1_SCHEMA["input_ids"]))
     store = Path(store_dir)
     store.mkdir(parents=True, exist_ok=True)
     tmp = store / f".judge-{Path(part_path).stem}.parquet.tmp-{os.getpid()}"
@@ -520,8 +524,9 @@ def judge_shard(part_path: str | Path, learned: Mapping[str, Any], store_dir: st
     finally:
         tmp.unlink(missing_ok=True)
     ids = df["id"]
-    train = df.filter(pl.col("train"))
-    longest = int((train["prompt_len"] + train["completion_len"]).max() or 0)  # (None: no train row)
+    # (an expression, not a filtered copy of the shard's rows: that copy was the job's peak)
+    longest = int(df.select((pl.col("prompt_len") + pl.col("completion_len")).filter(pl.col("train")).max()).item()
+                  or 0)  # (None: no train row)
     return {"file": dest.name, "rows": df.height, "sha256": sha, "first_id": ids[0] if df.height else None,
             "last_id": ids[-1] if df.height else None, "longest_train": longest, "kept": kept,
             "transformations_seen": seen}

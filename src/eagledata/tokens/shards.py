@@ -356,22 +356,24 @@ def with_verdicts(df: pl.DataFrame, stats: Sequence[SampleStats], judged: Sequen
     )
 
 
-_REPAIRABLE_COLUMNS = {"input_ids": pl.List(pl.Int64), "segments": pl.Utf8, "completion_len": pl.Int32,
-                       "reasoning_len": pl.Int32}
+#: (``input_ids``: None, its dtype in the frame: 64-bit in a shard, 32-bit in a per-shard part, cast
+#: when the shard is gathered)
+_REPAIRABLE_COLUMNS = {"input_ids": None, "segments": pl.Utf8, "completion_len": pl.Int32, "reasoning_len": pl.Int32}
 
 
 def _repaired_columns(df: pl.DataFrame, repaired: Mapping[int, tuple[SampleStats, Any]]) -> list:
     """The columns a chosen repair replaces, with the repaired rows' values (row -> (stats, chosen
     repair)). Without a repair in ``df`` they are cast, not rebuilt: turning every id into a Python
     int and back was most of judging's time."""
+    dtypes = {name: dtype or df.schema[name] for name, dtype in _REPAIRABLE_COLUMNS.items()}
     if not repaired:
-        return [pl.col(name).cast(dtype) for name, dtype in _REPAIRABLE_COLUMNS.items()]
+        return [pl.col(name).cast(dtype) for name, dtype in dtypes.items()]
     values = {name: df[name].to_list() for name in _REPAIRABLE_COLUMNS}
     for row, (st, rc) in repaired.items():
         values["input_ids"][row] = values["input_ids"][row][: st.prompt_len] + rc.ids
         values["segments"][row] = segments_json(rc.segments)
         values["completion_len"][row], values["reasoning_len"][row] = len(rc.ids), rc.reasoning_tokens
-    return [pl.Series(name, values[name], dtype=dtype) for name, dtype in _REPAIRABLE_COLUMNS.items()]
+    return [pl.Series(name, values[name], dtype=dtype) for name, dtype in dtypes.items()]
 
 
 def publish_shard(src: Path, dst: Path, sha: str) -> None:
