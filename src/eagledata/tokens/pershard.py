@@ -524,7 +524,7 @@ def judge_shard(part_path: str | Path, learned: Mapping[str, Any], store_dir: st
     finally:
         tmp.unlink(missing_ok=True)
     ids = df["id"]
-    # (an expression, not a filtered copy of the shard's rows: that copy was the job's peak)
+    # (an expression: a filtered copy of the trained rows held their columns, ids too, once more)
     longest = int(df.select((pl.col("prompt_len") + pl.col("completion_len")).filter(pl.col("train")).max()).item()
                   or 0)  # (None: no train row)
     return {"file": dest.name, "rows": df.height, "sha256": sha, "first_id": ids[0] if df.height else None,
