@@ -376,11 +376,13 @@ def test_one_new_response_rebuilds_only_its_shard(tmp_path):
     plan = json.loads((work / "results/rec/tokens.work/plan.json").read_text())
     n_shards = len(plan["shards"])
     assert n_shards > 15
-    # the shard jobs start largest first (their priority: the shard's rows)
+    # the shard jobs start largest first (their priority: the shard's rows); on 2 cores the jobs started
+    # together are listed in either order, so each job has at least the rows of every job listed 2 later
     rows = {s["key"]: s["rows"] for s in plan["shards"]}
     started = [rows[k] for k in re.findall(r"rule token_shard:\n(?:[^\n]*\n)*?\s*wildcards: dataset=rec, shard=([0-9a-f]{16})",
                                            run.stdout + run.stderr)]
-    assert len(started) == n_shards and len(set(started)) > 3 and started == sorted(started, reverse=True), started
+    assert len(started) == n_shards and len(set(started)) > 3, started
+    assert all(started[i] >= max(started[i + 2:], default=0) for i in range(n_shards)), started
     parts = work / "results/rec/tokens.work/parts"
     before = {p.name: p.stat().st_mtime_ns for p in parts.glob("*.parquet")}
     store = work / "results/rec/tokens.store"
