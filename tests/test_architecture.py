@@ -313,7 +313,7 @@ def test_a_process_a_job_spawned_checks_its_code_against_the_jobs_stamps(tmp_pat
     from eagledata.extract import sglang
     from eagledata.tokens import pershard, planscan
 
-    for entry in (pershard._judge_worker_init, planscan.scan_range, sglang._rank_main):
+    for entry in (pershard._helper_init, planscan.scan_range, sglang._rank_main):
         assert "verify_inherited_code()" in inspect.getsource(entry), entry
     child = "import eagledata.io; from eagledata.codeinputs import verify_inherited_code; verify_inherited_code()"
     files = [str(PKG / p) for p in ("__init__.py", "io.py", "errors.py", "codeinputs.py")]

@@ -47,6 +47,7 @@ file, so nothing downstream of it reruns).
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import hashlib
 import heapq
@@ -58,9 +59,12 @@ import resource
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import polars as pl
+
+if TYPE_CHECKING:
+    from concurrent.futures import Executor
 
 from eagledata.codeinputs import stamp_settings, verify_inherited_code, verify_loaded_code
 from eagledata.config import tokenizer_from_settings
@@ -463,24 +467,33 @@ def refuse_stale_parts(loaded: Sequence[tuple[Path, Mapping[str, Any]]], fingerp
 
 
 def learn_repairs(learned_path: str | Path, part_paths: Sequence[str | Path], out_path: str | Path,
-                  tokenizer: Tokenizer, family: ModelFamily) -> dict[str, Any]:
+                  tokenizer: Tokenizer, family: ModelFamily, pool: Executor | None = None) -> dict[str, Any]:
     """``learned.json`` plus ``repairs``: per provider, the transformations samples prove it applies
-    (searched on the samples needing a repair, one part at a time; at least
-    :data:`~eagledata.tokens.shards.MIN_REPAIR_EVIDENCE` samples each, counted in ``repair_evidence``),
-    and ``key_order_kept`` where as many samples' arguments prove the provider keeps key order."""
+    (searched on the samples needing a repair, one part at a time, in ``pool``'s processes too where
+    given; at least :data:`~eagledata.tokens.shards.MIN_REPAIR_EVIDENCE` samples each, counted in
+    ``repair_evidence``), and ``key_order_kept`` where as many samples' arguments prove the provider keeps
+    key order."""
     learned = json.loads(Path(learned_path).read_text(encoding="utf-8"))
-    judge = Judge(learned["conventions"], learned["reliability"], tokenizer, family)
+    tasks = [(path, learned["conventions"], learned["reliability"]) for path in part_paths]
     found: dict[str, dict[str, int]] = {}
-    for path in part_paths:
-        df = pl.read_parquet(path, columns=[c for c in PART_SCHEMA if c not in ("input_ids", "segments")])
-        stats = part_stats(df)
-        judged = judge.first_verdicts(stats)
-        segs = pl.read_parquet(path, columns=["segments", "finish_reason"])
-        _add_counts(found, judge.repair_behaviours(stats, judged, enumerate(segs.iter_rows())))
+    for counts in _each(pool, _part_repair_counts, tasks, tokenizer, family):
+        _add_counts(found, counts)
     learned["repairs"] = {p: sorted(ts) for p, ts in proven_repairs(found).items()}
     learned["repair_evidence"] = found
     atomic_write_json(out_path, learned)
     return learned
+
+
+def _part_repair_counts(task: tuple, tokenizer: Tokenizer, family: ModelFamily) -> dict[str, dict[str, int]]:
+    """Per provider, the repairs a part's samples needing one show (``task``: the part, the learned
+    conventions and reliability)."""
+    path, conventions, reliability = task
+    judge = Judge(conventions, reliability, tokenizer, family)
+    df = pl.read_parquet(path, columns=[c for c in PART_SCHEMA if c not in ("input_ids", "segments")])
+    stats = part_stats(df)
+    judged = judge.first_verdicts(stats)
+    segs = pl.read_parquet(path, columns=["segments", "finish_reason"])
+    return judge.repair_behaviours(stats, judged, enumerate(segs.iter_rows()))
 
 
 # 5-6. judging and the manifest (one dataset job) ----------------------------------------------------
@@ -534,59 +547,75 @@ def judge_shard(part_path: str | Path, learned: Mapping[str, Any], store_dir: st
 
 def judge_and_gather(plan_path: str | Path, part_paths: Sequence[str | Path], conventions_path: str | Path,
                      out_dir: str | Path, store_dir: str | Path, tokenizer: Tokenizer, family: ModelFamily,
-                     policy: Any = "default", workers: int = 1) -> dict[str, Any]:
-    """Judge every shard (``part_paths`` in the plan's order; one part in memory per process, in up to
-    ``workers`` processes) and write ``out_dir/manifest.json`` (as the one-job stage writes it) and a
+                     policy: Any = "default", pool: Executor | None = None, processes: int = 1) -> dict[str, Any]:
+    """Judge every shard (``part_paths`` in the plan's order; one part in memory per process, in ``pool``'s
+    processes too where given: ``processes`` with this one, for the log) and write ``out_dir/manifest.json`` (as the one-job stage writes it) and a
     hard link per shard; the store keeps exactly the manifest's shards. Returns the manifest."""
     plan = read_plan(plan_path)
     keys = [s["key"] for s in plan["shards"]]
     if [Path(p).name.split(".")[0] for p in part_paths] != keys:
         raise ValueError(f"{plan_path}: the parts given are not the plan's shards in its order")
     learned = json.loads(Path(conventions_path).read_text(encoding="utf-8"))
-    args = (learned, store_dir, tokenizer, family, policy)
-    procs = workers if len(part_paths) >= 2 * workers else 1  # a worker costs about a job's start
-    if procs > 1:
-        entries = _judge_with_helpers(part_paths, args, procs - 1)
-    else:
-        entries = [judge_shard(p, *args) for p in part_paths]
-    log.info("%d shards judged in %d process(es): %d written, %d unchanged (left untouched)", len(entries), procs,
+    entries = _each(pool, _judged_part, [(path, learned, store_dir, policy) for path in part_paths], tokenizer, family)
+    log.info("%d shards judged in %d process(es): %d written, %d unchanged (left untouched)", len(entries),
+             processes,
              sum(not e["kept"] for e in entries), sum(e["kept"] for e in entries))
     return _write_manifest(plan, learned, entries, out_dir, store_dir, tokenizer, family, policy)
 
 
-def _judge_with_helpers(part_paths: Sequence[str | Path], args: tuple, helpers: int) -> list[dict[str, Any]]:
-    """:func:`judge_shard` of every part (in order), by ``helpers`` spawned processes and this one
-    together (:mod:`eagledata.tokens.sharedwork`)."""
-    with spawned_pool(helpers, initializer=_judge_worker_init, initargs=args) as pool:
-        return shared_map(pool, _judge_in_worker, lambda path: judge_shard(path, *args), part_paths)
+def _judged_part(task: tuple, tokenizer: Tokenizer, family: ModelFamily) -> dict[str, Any]:
+    """:func:`judge_shard` of ``task`` (the part, the learned conventions, the store, the policy)."""
+    path, learned, store_dir, policy = task
+    return judge_shard(path, learned, store_dir, tokenizer, family, policy)
 
 
-_WORKER_ARGS: tuple = ()
+def _each(pool: Executor | None, step: Callable[..., Any], tasks: Sequence[tuple], tokenizer: Tokenizer,
+          family: ModelFamily) -> list[Any]:
+    """``[step(task, tokenizer, family) for task in tasks]``, in ``pool``'s helpers (:func:`helper_pool`)
+    and this process together where a pool is given."""
+    if pool is None:
+        return [step(task, tokenizer, family) for task in tasks]
+    return shared_map(pool, functools.partial(_in_helper, step), lambda task: step(task, tokenizer, family), tasks)
 
 
-def _judge_worker_init(*args: Any) -> None:
-    global _WORKER_ARGS
-    verify_inherited_code()  # a spawned worker imports the code on disk now: the job's stamps' code?
-    _WORKER_ARGS = args
+def helper_pool(helpers: int, tokenizer: Tokenizer, family: ModelFamily) -> contextlib.AbstractContextManager:
+    """A pool of ``helpers`` spawned processes holding ``tokenizer`` and ``family`` (for :func:`_each`); a
+    context giving None for none."""
+    if helpers < 1:
+        return contextlib.nullcontext()
+    return spawned_pool(helpers, initializer=_helper_init, initargs=(tokenizer, family))
 
 
-def _judge_in_worker(part_path: str | Path) -> dict[str, Any]:
-    return judge_shard(part_path, *_WORKER_ARGS)
+_HELPER_ARGS: tuple = ()
+
+
+def _helper_init(*args: Any) -> None:
+    global _HELPER_ARGS
+    verify_inherited_code()  # a spawned helper imports the code on disk now: the job's stamps' code?
+    _HELPER_ARGS = args
+
+
+def _in_helper(step: Callable[..., Any], task: tuple) -> Any:
+    return step(task, *_HELPER_ARGS)
 
 
 def learn_and_judge(plan_path: str | Path, work_dir: str | Path, out_dir: str | Path, store_dir: str | Path,
                     tokenizer: Tokenizer, family: ModelFamily, policy: Any = "default", workers: int = 1) -> dict[str, Any]:
     """Steps 3-5 in one job, after every shard's reconstruction: ``learned.json`` and
     ``conventions.json`` in ``work_dir`` (kept for inspection), then the judged shards and the
-    manifest. Returns the manifest."""
+    manifest, the repair search and the judging in up to ``workers`` processes (spawned helpers, when there
+    are at least two parts a process: a helper costs about a job's start). Returns the manifest."""
     w = Path(work_dir)
     paths = [work_paths(w, k) for k in plan_keys(plan_path)]
-    learned = learn_summaries([p["summary"] for p in paths], w / "learned.json", tokenizer.fingerprint)
-    log.info("%d samples in %d shard summaries; conventions: %s", learned["rows"], len(paths), learned["conventions"])
-    repairs = learn_repairs(w / "learned.json", [p["part"] for p in paths], w / "conventions.json", tokenizer, family)
-    log.info("repairs proven per provider: %s", repairs["repairs"])
-    return judge_and_gather(plan_path, [p["part"] for p in paths], w / "conventions.json", out_dir, store_dir,
-                            tokenizer, family, policy, workers)
+    parts = [p["part"] for p in paths]
+    helpers = workers - 1 if len(parts) >= 2 * workers else 0
+    with helper_pool(helpers, tokenizer, family) as pool:  # (spawned now: they start while the summaries are read)
+        learned = learn_summaries([p["summary"] for p in paths], w / "learned.json", tokenizer.fingerprint)
+        log.info("%d samples in %d shard summaries; conventions: %s", learned["rows"], len(paths), learned["conventions"])
+        repairs = learn_repairs(w / "learned.json", parts, w / "conventions.json", tokenizer, family, pool)
+        log.info("repairs proven per provider: %s", repairs["repairs"])
+        return judge_and_gather(plan_path, parts, w / "conventions.json", out_dir, store_dir, tokenizer, family,
+                                policy, pool, 1 + helpers)
 
 
 def _add_counts(into: dict[str, dict[str, int]], counts: Mapping[str, Mapping[str, int]]) -> None:
