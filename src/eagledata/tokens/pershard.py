@@ -549,8 +549,9 @@ def judge_and_gather(plan_path: str | Path, part_paths: Sequence[str | Path], co
                      out_dir: str | Path, store_dir: str | Path, tokenizer: Tokenizer, family: ModelFamily,
                      policy: Any = "default", pool: Executor | None = None, processes: int = 1) -> dict[str, Any]:
     """Judge every shard (``part_paths`` in the plan's order; one part in memory per process, in ``pool``'s
-    processes too where given: ``processes`` with this one, for the log) and write ``out_dir/manifest.json`` (as the one-job stage writes it) and a
-    hard link per shard; the store keeps exactly the manifest's shards. Returns the manifest."""
+    processes too where given: ``processes`` with this one, for the log) and write
+    ``out_dir/manifest.json`` (as the one-job stage writes it) and a hard link per shard; the store keeps
+    exactly the manifest's shards. Returns the manifest."""
     plan = read_plan(plan_path)
     keys = [s["key"] for s in plan["shards"]]
     if [Path(p).name.split(".")[0] for p in part_paths] != keys:
@@ -558,8 +559,7 @@ def judge_and_gather(plan_path: str | Path, part_paths: Sequence[str | Path], co
     learned = json.loads(Path(conventions_path).read_text(encoding="utf-8"))
     entries = _each(pool, _judged_part, [(path, learned, store_dir, policy) for path in part_paths], tokenizer, family)
     log.info("%d shards judged in %d process(es): %d written, %d unchanged (left untouched)", len(entries),
-             processes,
-             sum(not e["kept"] for e in entries), sum(e["kept"] for e in entries))
+             processes, sum(not e["kept"] for e in entries), sum(e["kept"] for e in entries))
     return _write_manifest(plan, learned, entries, out_dir, store_dir, tokenizer, family, policy)
 
 
@@ -609,7 +609,7 @@ def learn_and_judge(plan_path: str | Path, work_dir: str | Path, out_dir: str | 
     paths = [work_paths(w, k) for k in plan_keys(plan_path)]
     parts = [p["part"] for p in paths]
     helpers = workers - 1 if len(parts) >= 2 * workers else 0
-    with helper_pool(helpers, tokenizer, family) as pool:  # (spawned now: they start while the summaries are read)
+    with helper_pool(helpers, tokenizer, family) as pool:  # (its processes start with the first part given them)
         learned = learn_summaries([p["summary"] for p in paths], w / "learned.json", tokenizer.fingerprint)
         log.info("%d samples in %d shard summaries; conventions: %s", learned["rows"], len(paths), learned["conventions"])
         repairs = learn_repairs(w / "learned.json", parts, w / "conventions.json", tokenizer, family, pool)
