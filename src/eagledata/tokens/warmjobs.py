@@ -10,7 +10,9 @@ and its log file, its peak memory measured from the job's start (``/proc/self/cl
 outputs are a function of its inputs only (what stays in a worker between jobs is the code, the tokenizer
 and caches of pure functions), so a job run in a worker writes the bytes a fresh process writes (tested).
 
-How a job finds one (:func:`main`, called by ``scripts/token_shard.py`` before any heavy import):
+How a job finds one (:func:`main`, called by ``scripts/token_shard.py`` before any heavy import; this module
+imports only what that needs, 0.04 s a job in all with the interpreter: the worker's side is
+:mod:`eagledata.tokens.warmworker`):
 
 - Workers are keyed by what decides the code and tokenizer they hold: the interpreter, ``PYTHONPATH``,
   the working directory, the eagledata package's location and the job's stage stamp (content-named: new
@@ -26,7 +28,7 @@ How a job finds one (:func:`main`, called by ``scripts/token_shard.py`` before a
 
 Lifecycle: a worker ends when idle for ``EAGLEDATA_WARM_IDLE_S`` seconds (default 30) with no job holding
 its slot (removing the slot's files); after a failed job (nothing of a failure outlives it); after
-:data:`MAX_JOBS` jobs; and at once when the job's process ends
+:data:`~eagledata.tokens.warmworker.MAX_JOBS` jobs; and at once when the job's process ends
 before the job does (Snakemake stopping a job ends its process: the worker sees the connection close).
 Where a worker cannot be used the job runs in its own process, as it always could, and its log says why:
 not Linux; ``EAGLEDATA_WARM_WORKERS=0``; under SLURM (``SLURM_JOB_ID``: a job's allocation ends with it,
@@ -40,37 +42,21 @@ maintained library keeps warm Python processes per key for separate command-line
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import logging
 import os
 import socket
 import stat
-import struct
 import sys
-import tempfile
-import threading
 import time
-from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, NoReturn
-
-log = logging.getLogger(__name__)
+from typing import Mapping, NoReturn
 
 #: ``0`` runs every shard job in its own process
 ENABLE_ENV = "EAGLEDATA_WARM_WORKERS"
-#: seconds a worker waits for its next job before it ends
-IDLE_ENV = "EAGLEDATA_WARM_IDLE_S"
-DEFAULT_IDLE_S = 30.0
 #: how long a job waits for a worker it started to listen
 START_TIMEOUT_S = 60.0
-#: jobs a worker runs before it ends (what Python's allocator keeps between jobs is given back)
-MAX_JOBS = 64
-#: a worker whose job's process ended first ends with this status
-EXIT_CLIENT_GONE = 75
 #: the arguments of a token_shard job (scripts/token_shard.py)
 JOB_FIELDS = ("slice", "stamp", "part", "summary", "log")
-LOG_FORMAT = "%(asctime)s %(levelname)s %(message)s"
 
 
 # the job's side ----------------------------------------------------------------------------------------
@@ -97,7 +83,7 @@ def run_in_worker(job: Mapping[str, str]) -> tuple[int | None, str]:
 
     key = worker_key(job["stamp"])
     for slot in range(os.cpu_count() or 1):
-        lock = directory / f"{key}-{slot}.lock"
+        lock = os.path.join(directory, f"{key}-{slot}.lock")
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             try:
@@ -114,16 +100,10 @@ def run_here(job: Mapping[str, str], why: str) -> NoReturn:
     """Run the job in this process and exit with its status (without the interpreter's teardown)."""
     from eagledata.io import quick_exit
     from eagledata.tokens.pershard import run_shard_job
+    from eagledata.tokens.warmworker import logged_job
 
-    code = 0
-    with job_logging(job["log"]):
-        log.info("run in its own process: %s", why)
-        try:
-            run_shard_job(job["slice"], job["stamp"], job["part"], job["summary"])
-        except Exception:
-            log.exception("token_shard failed")
-            code = 1
-    quick_exit(code)
+    quick_exit(logged_job(job["log"], f"run in its own process: {why}",
+                          lambda: run_shard_job(job["slice"], job["stamp"], job["part"], job["summary"])))
 
 
 def unavailable() -> str:
@@ -137,14 +117,14 @@ def unavailable() -> str:
     return ""
 
 
-def private_dir() -> Path | None:
-    """This user's directory for the workers' locks and logs (mode 0700), or None where it cannot be
-    made or is not this user's own."""
-    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-    path = Path(base) / f"eagledata-{os.getuid()}"
+def private_dir() -> str | None:
+    """This user's directory for the workers' locks and logs (mode 0700, under ``$XDG_RUNTIME_DIR``, else
+    ``$TMPDIR``, else /tmp), or None where it cannot be made or is not this user's own."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or os.environ.get("TMPDIR") or "/tmp"
+    path = os.path.join(base, f"eagledata-{os.getuid()}")
     try:
-        path.mkdir(mode=0o700, exist_ok=True)
-        st = path.lstat()
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        st = os.lstat(path)
     except OSError:
         return None
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
@@ -162,23 +142,24 @@ def worker_key(stamp: str) -> str:
 
 
 def worker_address(key: str, slot: int) -> str:
-    """The name of the abstract socket a slot's worker listens on (:func:`_abstract` of it)."""
+    """The name of the abstract socket a slot's worker listens on (:func:`abstract_address` of it)."""
     return f"eagledata-token-shard-{os.getuid()}-{key}-{slot}"
 
 
-def _abstract(name: str) -> str:
+def abstract_address(name: str) -> str:
+    """The abstract socket address (Linux: no file) of ``name``."""
     return "\0" + name
 
 
-def _run_in_slot(address: str, lock: Path, job: Mapping[str, str]) -> tuple[int | None, str]:
+def _run_in_slot(address: str, lock: str, job: Mapping[str, str]) -> tuple[int | None, str]:
     conn = _connect(address) or _start_worker(address, lock, job["stamp"])
     if conn is None:
-        return None, f"the warm worker did not start (its log: {lock.with_suffix('.log')})"
+        return None, f"the warm worker did not start (its log: {slot_log(lock)})"
     request = {"job": {k: job[k] for k in JOB_FIELDS}, "cwd": os.getcwd(), "env": dict(os.environ)}
     with conn:
         try:
             conn.sendall(json.dumps(request).encode("utf-8") + b"\n")
-            reply = _read_line(conn)
+            reply = read_line(conn)
         except OSError:
             reply = b""
     if not reply:
@@ -192,20 +173,25 @@ def _run_in_slot(address: str, lock: Path, job: Mapping[str, str]) -> tuple[int 
 def _connect(address: str) -> socket.socket | None:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        conn.connect(_abstract(address))
+        conn.connect(abstract_address(address))
     except OSError:
         conn.close()
         return None
     return conn
 
 
-def _start_worker(address: str, lock: Path, stamp: str) -> socket.socket | None:
+def slot_log(lock: str) -> str:
+    """The log file of a slot's worker (what it writes on its own: a failure to start or serve)."""
+    return lock.removesuffix(".lock") + ".log"
+
+
+def _start_worker(address: str, lock: str, stamp: str) -> socket.socket | None:
     import subprocess
 
-    with open(lock.with_suffix(".log"), "ab") as out:
+    with open(slot_log(lock), "ab") as out:
         # (-c puts the working directory first on sys.path: taken off, so the worker imports what the job does)
-        worker = subprocess.Popen([sys.executable, "-c", "import sys; sys.path.pop(0); import eagledata.tokens.warmjobs as w; "
-                                   "w.serve_command()", address, str(lock), os.path.abspath(stamp)],
+        worker = subprocess.Popen([sys.executable, "-c", "import sys; sys.path.pop(0); import eagledata.tokens.warmworker as w; "
+                                   "w.serve_command()", address, lock, os.path.abspath(stamp)],
                                   stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                   close_fds=True)
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -219,7 +205,7 @@ def _start_worker(address: str, lock: Path, stamp: str) -> socket.socket | None:
     return None
 
 
-def _read_line(conn: socket.socket) -> bytes:
+def read_line(conn: socket.socket) -> bytes:
     """Bytes up to the first newline ("" where the peer closed first)."""
     data = b""
     while not data.endswith(b"\n"):
@@ -228,148 +214,3 @@ def _read_line(conn: socket.socket) -> bytes:
             return b""
         data += chunk
     return data
-
-
-@contextlib.contextmanager
-def job_logging(path: str | Path) -> Iterator[None]:
-    """The job's log file as the root logger's handler (INFO and up) while the job runs."""
-    handler = logging.FileHandler(path)
-    handler.setFormatter(logging.Formatter(LOG_FORMAT))
-    root = logging.getLogger()
-    level = root.level
-    root.addHandler(handler)
-    root.setLevel(logging.INFO)
-    try:
-        yield
-    finally:
-        root.removeHandler(handler)
-        root.setLevel(level)
-        handler.close()
-
-
-# the worker's side -------------------------------------------------------------------------------------
-
-def serve(address: str, lock: str | Path, stamp: str, idle_s: float) -> None:
-    """A slot's worker: listen on ``address``, load the stage and the ``stamp``'s tokenizer once, run jobs
-    until idle for ``idle_s`` seconds with the slot's ``lock`` free, or until a job fails."""
-    import select
-
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        listener.bind(_abstract(address))
-    except OSError:
-        return  # the slot has its worker already
-    listener.listen(4)
-    slot = address.rsplit("-", 1)[1]
-    from eagledata.codeinputs import stamp_settings
-    from eagledata.config import tokenizer_from_settings
-    from eagledata.tokens.pershard import run_shard_job
-
-    loaded = tokenizer_from_settings(stamp_settings(stamp))
-    jobs = 0
-    while True:
-        code = 0
-        if not select.select([listener], [], [], idle_s)[0]:
-            if _take_lock(lock):  # no job holds or waits for the slot: end, and leave nothing behind
-                _remove_slot_files(Path(lock))
-                return
-            continue
-        conn, _ = listener.accept()
-        with conn:
-            if _peer_uid(conn) != os.getuid():
-                continue
-            request = json.loads(_read_line(conn) or b"null")
-            if not isinstance(request, dict):
-                continue
-            job = request["job"]
-            if os.path.abspath(os.path.join(request["cwd"], job["stamp"])) != stamp:
-                conn.sendall(json.dumps({"code": None, "refused": f"its stamp is not {stamp}"}).encode() + b"\n")
-                continue
-            jobs += 1
-            code = _run_job(conn, request, lambda: run_shard_job(job["slice"], job["stamp"], job["part"],
-                                                                 job["summary"], loaded), f"slot {slot}, its job {jobs}")
-            conn.sendall(json.dumps({"code": code}).encode("utf-8") + b"\n")
-            conn.shutdown(socket.SHUT_RDWR)
-        if code != 0 or jobs >= MAX_JOBS:
-            return
-
-
-def _run_job(conn: socket.socket, request: Mapping[str, Any], run: Callable[[], Any], which: str) -> int:
-    done = threading.Event()
-    threading.Thread(target=_end_with_the_job, args=(conn, done), daemon=True).start()
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    _restart_peak_memory()
-    code = 0
-    with job_logging(request["job"]["log"]):
-        log.info("run in warm worker %d (%s)", os.getpid(), which)
-        try:
-            run()
-        except Exception:
-            log.exception("token_shard failed")
-            code = 1
-    done.set()
-    return code
-
-
-def _end_with_the_job(conn: socket.socket, done: threading.Event) -> None:
-    """End this worker at once when the job's process ends before its job does."""
-    with contextlib.suppress(OSError):
-        conn.recv(1)  # the job's process sends nothing more: this returns when it closes
-    if not done.is_set():
-        os._exit(EXIT_CLIENT_GONE)
-
-
-def _restart_peak_memory() -> None:
-    """Linux: reset this process's peak resident memory (``VmHWM``) to what it holds now."""
-    with contextlib.suppress(OSError):
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
-            fh.write("5")
-
-
-def _remove_slot_files(lock: Path) -> None:
-    """The slot's lock file, and its log where empty: a job that opened the lock before it is removed
-    and one that makes it anew may both reach the slot's address; the second waits for the first's job."""
-    with contextlib.suppress(OSError):
-        lock.unlink()
-        log_file = lock.with_suffix(".log")
-        if log_file.stat().st_size == 0:
-            log_file.unlink()
-
-
-def _peer_uid(conn: socket.socket) -> int:
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[1]
-
-
-def _take_lock(lock: str | Path) -> bool:
-    """Hold the slot's lock until this process ends, if no job holds it."""
-    import fcntl
-
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return False
-    return True
-
-
-def idle_seconds() -> float:
-    """``EAGLEDATA_WARM_IDLE_S`` (default 30)."""
-    try:
-        return max(0.1, float(os.environ.get(IDLE_ENV, DEFAULT_IDLE_S)))
-    except ValueError:
-        return DEFAULT_IDLE_S
-
-
-def serve_command() -> NoReturn:
-    """The worker process's entry: ``serve(address, lock, stamp)`` from its command line."""
-    try:
-        serve(sys.argv[1], sys.argv[2], sys.argv[3], idle_seconds())
-    except Exception:
-        log.exception("the warm worker failed")
-        logging.shutdown()
-        os._exit(1)
-    os._exit(0)
