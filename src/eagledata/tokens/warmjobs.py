@@ -11,14 +11,14 @@ outputs are a function of its inputs only (what stays in a worker between jobs i
 and caches of pure functions), so a job run in a worker writes the bytes a fresh process writes (tested).
 
 How a job finds one (:func:`main`, called by ``scripts/token_shard.py`` before any heavy import; this module
-imports only what that needs, 0.04 s a job in all with the interpreter: the worker's side is
+imports only what that needs, 0.03 s a job in all with the interpreter: the worker's side is
 :mod:`eagledata.tokens.warmworker`):
 
 - Workers are keyed by what decides the code and tokenizer they hold: the interpreter, ``PYTHONPATH``,
   the working directory, the eagledata package's location and the job's stage stamp (content-named: new
   code or tokenizer settings make a new stamp, so new workers; the old ones idle out). A key has one
   *slot* per CPU; a job takes a free slot with an exclusive ``flock`` on its lock file (in a directory
-  only this user may enter, under ``$XDG_RUNTIME_DIR`` or the temp directory), so a worker runs one job
+  only this user may enter, under ``$XDG_RUNTIME_DIR``, ``$TMPDIR`` or /tmp), so a worker runs one job
   at a time and ``--cores N`` keeps N workers busy.
 - It connects to its slot's worker (an abstract Unix socket: no file to go stale; a worker serves only
   its own user's processes, checked with ``SO_PEERCRED``). Where none listens it starts one and waits:
@@ -33,7 +33,7 @@ before the job does (Snakemake stopping a job ends its process: the worker sees 
 Where a worker cannot be used the job runs in its own process, as it always could, and its log says why:
 not Linux; ``EAGLEDATA_WARM_WORKERS=0``; under SLURM (``SLURM_JOB_ID``: a job's allocation ends with it,
 and a worker would be killed with the allocation that started it); no private runtime directory; every
-slot busy; a worker that did not start or ended during the job.
+slot busy; a worker that did not start or ended during the job; any error in finding one.
 
 Why our own: ``multiprocessing``'s forkserver forks its server, which is unsafe once polars is imported
 (it starts threads), and a fork from a process without polars saves only part of a job's start; no
