@@ -36,6 +36,15 @@ def _wait_until(what, timeout: float) -> bool:
     return what()
 
 
+def _waiting_on_a_socket(job: subprocess.Popen) -> bool:
+    """Whether the job's process has a socket open (it then connects and sends its request at once)."""
+    fds = f"/proc/{job.pid}/fd"
+    try:
+        return any(os.readlink(f"{fds}/{fd}").startswith("socket:") for fd in os.listdir(fds))
+    except OSError:
+        return False
+
+
 def _job_command(work: Path, key: str) -> list[str]:
     stamp = next(work.glob("results/_code/datasets/rec/tokens.*.sha256")).relative_to(work)
     w = "results/rec/tokens.work"
@@ -94,7 +103,8 @@ def test_shard_jobs_in_warm_workers_write_what_their_own_processes_write(tmp_pat
     (parts / f"{key}.parquet").unlink()
     os.kill(worker, signal.SIGSTOP)  # the job's request waits in the worker's socket
     job = subprocess.Popen(_job_command(work, key), cwd=work, env=env)
-    time.sleep(1.5)
+    assert _wait_until(lambda: _waiting_on_a_socket(job), 30)
+    time.sleep(0.5)
     job.kill()
     job.wait()
     os.kill(worker, signal.SIGCONT)
@@ -107,7 +117,8 @@ def test_shard_jobs_in_warm_workers_write_what_their_own_processes_write(tmp_pat
     (parts / f"{key}.parquet").unlink()
     os.kill(worker, signal.SIGSTOP)
     job = subprocess.Popen(_job_command(work, key), cwd=work, env=env)
-    time.sleep(1.5)
+    assert _wait_until(lambda: _waiting_on_a_socket(job), 30)
+    time.sleep(0.5)
     os.kill(worker, signal.SIGKILL)
     assert job.wait(timeout=60) == 0
     assert (parts / f"{key}.parquet").read_bytes() == own[f"{key}.parquet"]
