@@ -363,17 +363,27 @@ _REPAIRABLE_COLUMNS = {"input_ids": None, "segments": pl.Utf8, "completion_len":
 
 def _repaired_columns(df: pl.DataFrame, repaired: Mapping[int, tuple[SampleStats, Any]]) -> list:
     """The columns a chosen repair replaces, with the repaired rows' values (row -> (stats, chosen
-    repair)). Without a repair in ``df`` they are cast, not rebuilt: turning every id into a Python
-    int and back was most of judging's time."""
+    repair)): only those rows are made anew, the others' slices kept (turning every id of a chunk into a
+    Python int and back was most of judging's time); one contiguous column each, as built whole."""
     dtypes = {name: dtype or df.schema[name] for name, dtype in _REPAIRABLE_COLUMNS.items()}
     if not repaired:
         return [pl.col(name).cast(dtype) for name, dtype in dtypes.items()]
-    values = {name: df[name].to_list() for name in _REPAIRABLE_COLUMNS}
-    for row, (st, rc) in repaired.items():
-        values["input_ids"][row] = values["input_ids"][row][: st.prompt_len] + rc.ids
-        values["segments"][row] = segments_json(rc.segments)
-        values["completion_len"][row], values["reasoning_len"][row] = len(rc.ids), rc.reasoning_tokens
-    return [pl.Series(name, values[name], dtype=dtype) for name, dtype in dtypes.items()]
+    new: dict[str, list] = {name: [] for name in dtypes}
+    for row, (st, rc) in sorted(repaired.items()):
+        new["input_ids"].append(df["input_ids"][row].to_list()[: st.prompt_len] + rc.ids)
+        new["segments"].append(segments_json(rc.segments))
+        new["completion_len"].append(len(rc.ids))
+        new["reasoning_len"].append(rc.reasoning_tokens)
+    rows = sorted(repaired)
+    columns = []
+    for name, dtype in dtypes.items():
+        column, pieces, start = df[name].cast(dtype), [], 0
+        for row, value in zip(rows, new[name]):
+            pieces += [column.slice(start, row - start), pl.Series(name, [value], dtype=dtype)]
+            start = row + 1
+        pieces.append(column.slice(start))
+        columns.append(pl.concat(pieces).rechunk().alias(name))
+    return columns
 
 
 def publish_shard(src: Path, dst: Path, sha: str) -> None:
