@@ -12,7 +12,8 @@ With --pipeline, the same datasets go through the workflow's per-shard tokens jo
 in a copy of the repository, imported as datasets: `snakemake --cores 1` then, from scratch,
 `--cores 2`, printing per size the wall time of each, the speed-up, tokens/s per core against raw
 tiktoken (and of the token_shard jobs alone, with a fit of their seconds over their rows: a job's
-start and the cost per sample), and peak memory per job of every rule (the peak each job logs); then
+start and the cost per sample), and peak memory per job of every rule (the peak each job logs, the
+larger of the two runs'); then
 `snakemake -n` when up to date. The recorded samples are short (about 145 tokens, prompt and
 completion); --drafter runs the same on drafter-shaped samples (about 2,850 tokens: the recorded
 requests made unique, answered by the stand-in with 2,500-3,500 completion tokens, half streamed),
@@ -244,18 +245,21 @@ def pipeline(sizes: list[int], work: Path, shard_size: int = 1000, two_cores: bo
         path = build_drafter_dataset(n, work) if drafter else build_dataset(n, work)
         name = f"{'drafter' if drafter else 'scale'}{n}"
         raw_rate = raw_tiktoken_rate(path, n)
-        walls = {}
+        walls, rss = {}, {}
         for cores in (1, 2) if two_cores else (1,):
             repo = repo_copy(work / f"repo-{n}", {name: path}, shard_size)
             smk(repo, "--cores", "1", f"results/{name}/responses.jsonl")  # the import is not the tokens stage
             walls[cores] = smk(repo, "--cores", str(cores), f"results/{name}/tokens")
             if cores == 1:
                 parts, phases = stage_parts(repo, name, walls[1]), shard_phases(repo, name)
+            # each job's peak over both runs: on 1 core the tokens job judges every shard itself, on 2 its
+            # helpers judge some (so its peak there depends on which shards it came to)
+            for rule, mb in peak_rss(repo, name).items():
+                rss[rule] = max(rss.get(rule, 0.0), mb)
         manifest = json.loads((repo / f"results/{name}/tokens/manifest.json").read_text())
         tokens = run(CHILD_COUNT, str(repo / f"results/{name}/tokens"))
         # raw tiktoken again after the stage: the faster of the two (a conservative ratio on a shared machine)
         raw_rate = max(raw_rate, raw_tiktoken_rate(path, n))
-        rss = peak_rss(repo, name)
         dry = smk(repo, "-n", name)
         rate = tokens["tokens"] / walls[1]
         shard_rate = tokens["tokens"] / shard_job_seconds(repo, name)  # the last run's jobs
