@@ -79,21 +79,31 @@ def run_in_worker(job: Mapping[str, str]) -> tuple[int | None, str]:
     directory = None if why else private_dir()
     if directory is None:
         return None, why or "no private runtime directory for the workers' locks"
-    import fcntl
-
     key = worker_key(job["stamp"])
     for slot in range(os.cpu_count() or 1):
         lock = os.path.join(directory, f"{key}-{slot}.lock")
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = try_lock(lock)
+        if fd is None:
+            continue
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue
             return _run_in_slot(worker_address(key, slot), lock, job)
         finally:
             os.close(fd)
     return None, "every worker slot is busy"
+
+
+def try_lock(lock: str) -> int | None:
+    """An exclusive ``flock`` on the file ``lock`` (made where missing), held while the returned
+    descriptor is open; None where another process holds it."""
+    import fcntl
+
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def run_here(job: Mapping[str, str], why: str) -> NoReturn:

@@ -14,7 +14,7 @@ import sys
 import threading
 from typing import Any, Callable, Iterator, Mapping, NoReturn
 
-from eagledata.tokens.warmjobs import abstract_address, read_line, slot_log
+from eagledata.tokens.warmjobs import abstract_address, read_line, slot_log, try_lock
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def serve(address: str, lock: str, stamp: str, idle_s: float) -> None:
     while True:
         code = 0
         if not select.select([listener], [], [], idle_s)[0]:
-            if _take_lock(lock):  # no job holds or waits for the slot: end, and leave nothing behind
+            if try_lock(lock) is not None:  # no job holds or waits for the slot: end (holding it), leave nothing
                 _remove_slot_files(lock)
                 return
             continue
@@ -142,19 +142,6 @@ def _remove_slot_files(lock: str) -> None:
 def _peer_uid(conn: socket.socket) -> int:
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     return struct.unpack("3i", creds)[1]
-
-
-def _take_lock(lock: str) -> bool:
-    """Hold the slot's lock until this process ends, if no job holds it."""
-    import fcntl
-
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return False
-    return True
 
 
 def idle_seconds() -> float:
