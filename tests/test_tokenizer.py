@@ -70,6 +70,42 @@ def test_plain_encoding_keeps_special_text_as_text(k25):
     assert tok.special_id("<|im_end|>") in tok.encode_with_specials(text)
 
 
+def _all_specials_encoding(tok, text):
+    """tiktoken told of every special token, piece by piece as Kimi splits a text."""
+    return [t for piece in split_for_kimi(text) for t in tok.encoding.encode(piece, allowed_special="all")]
+
+
+def test_prompt_encoding_names_only_the_specials_a_text_holds_and_encodes_as_if_told_of_all(k25):
+    """Texts with specials next to, inside and around near-specials ("<|im_end|" "[[BOS]]" "<|a<|im_end|>"
+    "<|[EOS]|>"...), in random mixes: the ids are tiktoken's told of every special."""
+    import random
+    tok, _ = k25
+    assert tok.specials_shaped  # Kimi's specials take the fast path
+    names = sorted(tok.special_names())
+    pieces = ["<|", "|>", "[", "]", "<", ">", "|", "<|im_end|", "[BOS", "<|a", "<|[", "]|>", "x", " ", "\n", "héllo",
+              "<|not_a_special|>", "[NOPE]", "[[", "]]", "<<|", "|>>", "<think", "</", "<thinker>", "<<think>>"]
+    rng = random.Random(7)
+    texts = ["<|a<|im_end|>", "[[BOS]]", "<|[EOS]|>", "<|im_end|", "[EOS", "<|im_user|><|im_end|>[BOS]", "",
+             "<think></think>", "<<think>", "<thi<think>", "<|<think>|>", "[<think>]"]
+    texts += ["".join(rng.choice(pieces + names[:20] + rng.sample(names, 3)) for _ in range(rng.randint(1, 40)))
+              for _ in range(3000)]
+    for text in texts:
+        assert tok.encode_with_specials(text) == _all_specials_encoding(tok, text), text
+
+
+def test_a_tokenizer_with_specials_of_another_shape_tells_tiktoken_of_them_all(k25):
+    import tiktoken
+    tok, _ = k25
+    specials = {**tok.specials, "<<odd>>": max(tok.specials.values()) + 1}
+    encoding = tiktoken.Encoding(name="odd", pat_str=tok.encoding._pat_str, mergeable_ranks=tok.encoding._mergeable_ranks,
+                                 special_tokens=specials)
+    odd = dataclasses.replace(tok, encoding=encoding, specials=specials)
+    assert not odd.specials_shaped
+    text = "a<<odd>>b<|im_end|>[BOS]"
+    assert odd.encode_with_specials(text) == _all_specials_encoding(odd, text)
+    assert specials["<<odd>>"] in odd.encode_with_specials(text)
+
+
 def _reference_split(text, window=400_000, max_len=MAX_NO_WHITESPACES_CHARS):
     for i in range(0, len(text), window):
         yield from _split_runs(text[i:i + window], max_len)

@@ -479,6 +479,9 @@ class Judge:
     reliability: Mapping[str, Mapping]
     tokenizer: Tokenizer
     family: ModelFamily
+    #: (provider, finish reason, own vote) -> the convention judged under: a dataset's few groups are asked for
+    #: by every sample, and again by each repair candidate searched
+    _group_conventions: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def _reasoning_checked(self, st: SampleStats) -> bool:
         """Whether ``st``'s reasoning count is checked: its provider's, learned from the other samples."""
@@ -489,7 +492,11 @@ class Judge:
 
     def _conv(self, st: SampleStats) -> str:
         """The convention ``st`` is judged under: learned from the other samples (its own vote left out)."""
-        return convention_for(self.conventions, st.provider, st.finish_reason, count_vote(st))
+        key = (st.provider, st.finish_reason, count_vote(st))
+        conv = self._group_conventions.get(key)
+        if conv is None:
+            conv = self._group_conventions[key] = convention_for(self.conventions, *key)
+        return conv
 
     def first_verdicts(self, stats: Sequence[SampleStats]) -> list[Judgement]:
         """Each sample under its provider's convention, before any repair."""
