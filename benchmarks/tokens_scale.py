@@ -20,10 +20,11 @@ requests made unique, answered by the stand-in with 2,500-3,500 completion token
 the size public K2.5 drafters were trained on, where a job's start weighs what it does in real use. --dry-shards N
 builds a dataset of N shards (shard_size 10), runs the plan, marks every other
 job done (placeholder outputs in dependency order: the DAG does not depend on what a shard holds) and
-times `snakemake -n` and `eagledata plan` on it.
+times `snakemake -n` and `eagledata plan` on it; --scheduling then runs its 2,000-odd short shard jobs on 2
+cores with Snakemake's default job selection and with the workflow profile's, printing both.
 
 Usage: python benchmarks/tokens_scale.py [--sizes 10000,40000,80000] [--work DIR] [--pipeline [--shard-size 1000] [--drafter]]
-       [--dry-shards 2000]
+       [--dry-shards 2000 [--scheduling]]
 Needs ../shared (the recorded traffic and the Kimi K2 tokenizer).
 """
 from __future__ import annotations
@@ -304,8 +305,9 @@ print(json.dumps({"tokens": int(df["prompt_len"].sum() + df["completion_len"].su
 """
 
 
-def dry_run_at(n_shards: int, work: Path) -> int:
-    """`snakemake -n` and `eagledata plan` on a dataset of about ``n_shards`` shards, every job done."""
+def dry_run_at(n_shards: int, work: Path, scheduling: bool = False) -> int:
+    """`snakemake -n` and `eagledata plan` on a dataset of about ``n_shards`` shards, every job done; with
+    ``scheduling``, then :func:`scheduling_at`."""
     n = n_shards * 10
     path = build_dataset(n, work)
     name = "dry"
@@ -338,7 +340,24 @@ def dry_run_at(n_shards: int, work: Path) -> int:
     t_plan = time.perf_counter() - t0
     print(f"RESULT dry run at {len(plan['shards'])} shards ({n} records): snakemake -n {t_dry:.2f}s "
           f"(-q all: {t_dry_q:.2f}s), eagledata plan {t_plan:.2f}s (target < 5 s)")
+    if scheduling:
+        scheduling_at(repo, name, len(plan["shards"]))
     return 0
+
+
+def scheduling_at(repo: Path, name: str, n_shards: int) -> None:
+    """Every token_shard job of the dataset (and the tokens job) run for real on 2 cores, with Snakemake's
+    default job selection (an ILP over every ready job each round) and then with the workflow profile's
+    (greedy over a random sample): the jobs are short (10 samples each), so the time is Snakemake's."""
+    walls = {}
+    for label, args in (("Snakemake's default selection (ILP over every ready job)",
+                         ["--scheduler", "ilp", "--scheduler-subsample", "0"]),
+                        ("the workflow profile's (profiles/default)", [])):
+        walls[label] = smk(repo, "--cores", "2", *args, "--forcerun", "token_shard", f"results/{name}/tokens")
+        print(f"  {n_shards} token_shard jobs + tokens on 2 cores, {label}: {walls[label]:.1f}s", flush=True)
+    default, profile = walls.values()
+    print(f"RESULT scheduling {n_shards} shard jobs on 2 cores: the profile's job selection {profile:.1f}s vs "
+          f"Snakemake's default {default:.1f}s ({default / profile:.2f}x faster)")
 
 
 def _planned_outputs(repo: Path, target: str) -> list[Path]:
@@ -362,6 +381,8 @@ def main() -> int:
     ap.add_argument("--shard-size", type=int, default=1000, help="tokens.shard_size of --pipeline (config default 1000)")
     ap.add_argument("--one-core", action="store_true", help="--pipeline at 1 core only (no speed-up)")
     ap.add_argument("--dry-shards", type=int, help="time the dry run of a dataset of this many shards")
+    ap.add_argument("--scheduling", action="store_true", help="--dry-shards, then run its jobs with Snakemake's "
+                    "default job selection and with the workflow profile's (minutes)")
     ap.add_argument("--drafter", action="store_true", help="--pipeline on drafter-shaped samples (~3,000 completion "
                     "tokens each, answered by the stand-in) instead of the recorded ones (~145 tokens each)")
     args = ap.parse_args()
@@ -372,7 +393,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.dry_shards:
-        return dry_run_at(args.dry_shards, work)
+        return dry_run_at(args.dry_shards, work, args.scheduling)
     if args.pipeline:
         return pipeline(sizes, work, args.shard_size, not args.one_core, args.drafter)
     rows = []
