@@ -124,3 +124,24 @@ def test_shard_jobs_in_warm_workers_write_what_their_own_processes_write(tmp_pat
     assert (parts / f"{key}.parquet").read_bytes() == own[f"{key}.parquet"]
     assert "run in its own process: the warm worker ended before the job did" in \
         (work / f"logs/rec/token_shard/{key}.log").read_text()
+
+
+def test_installing_a_library_changes_the_workers_jobs_go_to(tmp_path, monkeypatch):
+    """A library installed, upgraded or removed (an entry added to or removed from site-packages) gives
+    new worker keys: a worker that loaded the old libraries gets no more jobs."""
+    from eagledata.tokens import warmjobs
+
+    site = tmp_path / "lib" / "site-packages"
+    site.mkdir(parents=True)
+    os.utime(site, ns=(1_000_000_000, 1_000_000_000))
+    monkeypatch.setattr(sys, "path", [*sys.path, str(site)])
+    stamp = str(tmp_path / "tokens.stamp")
+    before = warmjobs.worker_key(stamp)
+    assert warmjobs.worker_key(stamp) == before  # nothing changed: the same workers
+    (site / "polars-9.9.dist-info").mkdir()  # the directory's time is now, not 1970's
+    installed = warmjobs.worker_key(stamp)
+    assert installed != before
+    os.utime(site, ns=(1_000_000_000, 1_000_000_000))
+    (site / "polars-9.9.dist-info").rmdir()
+    assert warmjobs.worker_key(stamp) not in (before, installed)
+

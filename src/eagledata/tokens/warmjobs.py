@@ -15,8 +15,9 @@ imports only what that needs, 0.03 s a job in all with the interpreter: the work
 :mod:`eagledata.tokens.warmworker`):
 
 - Workers are keyed by what decides the code and tokenizer they hold: the interpreter, ``PYTHONPATH``,
-  the working directory, the eagledata package's location and the job's stage stamp (content-named: new
-  code or tokenizer settings make a new stamp, so new workers; the old ones idle out). A key has one
+  the working directory, the eagledata package's location, the job's stage stamp (content-named: new
+  code or tokenizer settings make a new stamp, so new workers; the old ones idle out) and when the
+  installed libraries last changed (:func:`installed_libraries`). A key has one
   *slot* per CPU; a job takes a free slot with an exclusive ``flock`` on its lock file (in a directory
   only this user may enter, under ``$XDG_RUNTIME_DIR``, ``$TMPDIR`` or /tmp), so a worker runs one job
   at a time and ``--cores N`` keeps N workers busy.
@@ -147,8 +148,22 @@ def worker_key(stamp: str) -> str:
     import eagledata
 
     what = [sys.executable, os.environ.get("PYTHONPATH", ""), os.getcwd(), os.path.dirname(eagledata.__file__),
-            os.path.abspath(stamp)]
+            os.path.abspath(stamp), installed_libraries()]
     return hashlib.sha256(json.dumps(what).encode("utf-8")).hexdigest()[:20]
+
+
+def installed_libraries() -> list[int]:
+    """When the interpreter's package directories (``site-packages`` and ``dist-packages`` on ``sys.path``)
+    last changed: installing, upgrading or removing a library adds or removes its entries there, so the
+    jobs after it go to new workers, not to one holding the libraries it loaded before."""
+    times = []
+    for entry in sys.path:
+        if entry.rstrip(os.sep).endswith(("site-packages", "dist-packages")):
+            try:
+                times.append(os.stat(entry).st_mtime_ns)
+            except OSError:
+                pass
+    return times
 
 
 def worker_address(key: str, slot: int) -> str:
