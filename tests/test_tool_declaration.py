@@ -274,6 +274,33 @@ def test_declare_tools_falls_back_to_sorted_json_when_inexpressible():
     assert declare_tools(good, "json") == (good, {})
 
 
+def test_each_distinct_tool_list_is_declared_once_and_near_duplicates_keep_their_own(monkeypatch):
+    """The same tools again reuse their declaration; tools that differ only in a value's type (1, True,
+    1.0) or in key order are declared on their own, each as if declared anew; what a caller changes in
+    what it was given is not kept; at most TYPESCRIPT_DECLARED_KEPT lists are kept."""
+    from eagledata.text import chat
+
+    made = []
+    anew = chat.typescript_declared
+    monkeypatch.setattr(chat, "typescript_declared", lambda tools, sort_keys=True: made.append(1) or anew(tools, sort_keys))
+    monkeypatch.setattr(chat, "_TYPESCRIPT_DECLARED", {})
+    variants = [fn({"type": "object", "properties": {"b": {"type": "integer", "default": default}, "a": {"type": "string"}}})
+                for default in (1, True, 1.0)]
+    variants.append(fn({"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer", "default": 1}}}))
+    assert len({repr(anew([v], False)) for v in variants}) == len(variants)  # each is declared differently
+    for sort_keys in (True, False):
+        for v in variants * 3:
+            assert declare_tools([v], "typescript", sort_keys) == anew([v], sort_keys)
+    assert len(made) == 2 * len(variants)
+    tools, extra = declare_tools(variants[:1], "typescript")
+    tools.append("changed")
+    extra["tools_ts_str"] = "changed"
+    assert declare_tools(variants[:1], "typescript") == anew(variants[:1])
+    for i in range(chat.TYPESCRIPT_DECLARED_KEPT + 5):
+        declare_tools([fn({"type": "object"}, name=f"f{i}")], "typescript")
+    assert len(chat._TYPESCRIPT_DECLARED) == chat.TYPESCRIPT_DECLARED_KEPT
+
+
 def test_k25_template_declares_typescript_instead_of_json(k25):
     tok, _ = k25
     tools = [fn({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}, name="weather")]
