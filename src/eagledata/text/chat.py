@@ -104,7 +104,10 @@ def declare_tools(tools: Sequence[Mapping[str, Any]] | None, tool_declaration: s
     if declared is None:
         declared = _TYPESCRIPT_DECLARED[key] = typescript_declared(tools, sort_keys)
         if len(_TYPESCRIPT_DECLARED) > TYPESCRIPT_DECLARED_KEPT:
-            _TYPESCRIPT_DECLARED.pop(next(iter(_TYPESCRIPT_DECLARED)), None)
+            try:
+                del _TYPESCRIPT_DECLARED[next(iter(_TYPESCRIPT_DECLARED))]
+            except (KeyError, StopIteration, RuntimeError):  # another thread got there first
+                pass
     return list(declared[0]), dict(declared[1])
 
 
