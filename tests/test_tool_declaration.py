@@ -296,6 +296,12 @@ def test_each_distinct_tool_list_is_declared_once_and_near_duplicates_keep_their
     tools.append("changed")
     extra["tools_ts_str"] = "changed"
     assert declare_tools(variants[:1], "typescript") == anew(variants[:1])
+    def mine():
+        return [fn({"type": "object", "properties": {"q": {"type": "string"}}}, name="g")]
+    given = mine()
+    declare_tools(given, "typescript", False)
+    given[0]["function"]["name"] = "changed after"  # the kept declaration is not the caller's objects
+    assert declare_tools(mine(), "typescript", False) == anew(mine(), False)
     for i in range(chat.TYPESCRIPT_DECLARED_KEPT + 5):
         declare_tools([fn({"type": "object"}, name=f"f{i}")], "typescript")
     assert len(chat._TYPESCRIPT_DECLARED) == chat.TYPESCRIPT_DECLARED_KEPT

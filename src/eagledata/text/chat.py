@@ -14,6 +14,7 @@ express a schema, exactly as Kimi's ``apply_chat_template`` does.
 
 from __future__ import annotations
 
+import copy
 import json
 from datetime import datetime
 from functools import lru_cache
@@ -102,7 +103,8 @@ def declare_tools(tools: Sequence[Mapping[str, Any]] | None, tool_declaration: s
     key = (repr(tools), sort_keys)
     declared = _TYPESCRIPT_DECLARED.get(key)
     if declared is None:
-        declared = _TYPESCRIPT_DECLARED[key] = typescript_declared(tools, sort_keys)
+        # (a copy: the caller's own objects would be kept, and handed out, with whatever it later did to them)
+        declared = _TYPESCRIPT_DECLARED[key] = typescript_declared(copy.deepcopy(tools), sort_keys)
         if len(_TYPESCRIPT_DECLARED) > TYPESCRIPT_DECLARED_KEPT:
             try:
                 del _TYPESCRIPT_DECLARED[next(iter(_TYPESCRIPT_DECLARED))]
@@ -115,7 +117,8 @@ def declare_tools(tools: Sequence[Mapping[str, Any]] | None, tool_declaration: s
 #: share a few tool lists, and declaring one took a quarter of a K2.5 prompt's rendering. Keyed by the
 #: tools' ``repr``, which spells every value of the types a JSON body parses into with its type, in order
 #: (a tuple and a list, ``True`` and ``1``, ``1`` and ``1.0``, two key orders all differ): equal keys are
-#: equal inputs. The declared tools are shared between the renderings, which only read them.
+#: equal inputs. The declared tools (made from a copy of the first caller's) are shared between the renderings,
+#: which only read them.
 TYPESCRIPT_DECLARED_KEPT = 64
 _TYPESCRIPT_DECLARED: dict[tuple[str, bool], tuple[list, dict[str, Any]]] = {}
 
