@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from eagledata.text.tokenizer import Tokenizer
+from eagledata.text.tokenizer import Tokenizer, drop_oldest
 from eagledata.text.tool_declaration import ToolDeclarationError, deep_sort, typescript_tool_declaration
 from eagledata.errors import EagledataError
 
@@ -105,11 +105,7 @@ def declare_tools(tools: Sequence[Mapping[str, Any]] | None, tool_declaration: s
     if declared is None:
         # (a copy: the caller's own objects would be kept, and handed out, with whatever it later did to them)
         declared = _TYPESCRIPT_DECLARED[key] = typescript_declared(copy.deepcopy(tools), sort_keys)
-        if len(_TYPESCRIPT_DECLARED) > TYPESCRIPT_DECLARED_KEPT:
-            try:
-                del _TYPESCRIPT_DECLARED[next(iter(_TYPESCRIPT_DECLARED))]
-            except (KeyError, StopIteration, RuntimeError):  # another thread got there first
-                pass
+        drop_oldest(_TYPESCRIPT_DECLARED, TYPESCRIPT_DECLARED_KEPT)
     return list(declared[0]), dict(declared[1])
 
 

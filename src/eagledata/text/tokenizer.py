@@ -123,9 +123,15 @@ def _remember(recent: dict[str, list[int]], text: str, ids: list[int]) -> None:
     """Keep a copy of ``ids`` (the caller may change its list) as the encoding of ``text``; the
     oldest entry goes when more than :data:`RECENT_PLAIN` are kept."""
     recent[text] = ids[:]
-    if len(recent) > RECENT_PLAIN:
+    drop_oldest(recent, RECENT_PLAIN)
+
+
+def drop_oldest(entries: dict, limit: int) -> None:
+    """Remove the oldest entry of ``entries`` (the first inserted) when it holds more than ``limit``: a
+    bounded memo. Tolerates another thread doing the same at once."""
+    if len(entries) > limit:
         try:
-            del recent[next(iter(recent))]
+            del entries[next(iter(entries))]
         except (KeyError, StopIteration, RuntimeError):  # another thread got there first
             pass
 
