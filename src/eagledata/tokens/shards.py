@@ -368,13 +368,14 @@ def _repaired_columns(df: pl.DataFrame, repaired: Mapping[int, tuple[SampleStats
     dtypes = {name: dtype or df.schema[name] for name, dtype in _REPAIRABLE_COLUMNS.items()}
     if not repaired:
         return [pl.col(name).cast(dtype) for name, dtype in dtypes.items()]
+    rows = sorted(repaired)
     new: dict[str, list] = {name: [] for name in dtypes}
-    for row, (st, rc) in sorted(repaired.items()):
+    for row in rows:
+        st, rc = repaired[row]
         new["input_ids"].append(df["input_ids"][row].to_list()[: st.prompt_len] + rc.ids)
         new["segments"].append(segments_json(rc.segments))
         new["completion_len"].append(len(rc.ids))
         new["reasoning_len"].append(rc.reasoning_tokens)
-    rows = sorted(repaired)
     columns = []
     for name, dtype in dtypes.items():
         column, pieces, start = df[name].cast(dtype), [], 0
