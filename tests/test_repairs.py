@@ -503,3 +503,54 @@ def test_key_order_decision():
     # integer-like keys: JavaScript's JSON puts them first, so their order proves nothing
     assert key_order_in_question(parsed('{"2": 1, "10": 2}'), order_kept=False)
     assert not shows_key_order_kept(parsed('{"b": 1, "1": 2}'))
+
+
+class _CountingTokenizer:
+    """A tokenizer that counts the plain texts it is asked to encode."""
+
+    def __init__(self, tok):
+        self.tok, self.asked = tok, []
+
+    def encode_plain(self, text):
+        self.asked.append(text)
+        return self.tok.encode_plain(text)
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+
+def test_one_samples_searches_share_its_candidates_and_find_what_a_fresh_search_finds(k25):
+    """The judge searches a sample several times (each transformation alone, then its provider's known
+    ones): searches through one SampleCandidates give, candidate for candidate, what a search of the
+    answer alone gives, and encode each distinct text segment once however many candidates and
+    searches hold it."""
+    from eagledata.tokens.repairs import (ARGUMENTS_RESPACED, WHITESPACE_CONTENT, WHITESPACE_REASONING,
+                                          SampleCandidates, search_repairs)
+
+    tok, fam = k25
+    calls = [ToolCall("functions.f:0", "f", '{"a":1,"b":[true,null]}', 0), ToolCall("functions.g:1", "g", '{"q":"x y"}', 1)]
+    answer = ParsedResponse(streamed=False, reasoning="Thinking it over.", content="Calling.", tool_calls=calls,
+                            finish_reason="tool_calls")
+    # billed: the model's spacing and a space before the content (the one unique candidate), and one off it
+    truth = len(reconstruct_completion(ParsedResponse(streamed=False, reasoning="Thinking it over.", content=" Calling.",
+                                                      tool_calls=[ToolCall(c.id, c.name, json.dumps(json.loads(c.arguments)), c.index)
+                                                                  for c in calls], finish_reason="tool_calls"), tok, fam).ids)
+    searches = [(WHITESPACE_REASONING,), (WHITESPACE_CONTENT,), (ARGUMENTS_RESPACED,), None,
+                (WHITESPACE_CONTENT, ARGUMENTS_RESPACED)]
+    counting = _CountingTokenizer(tok)
+    sample = SampleCandidates(answer)
+    statuses = set()
+    assert sample.applicable == [WHITESPACE_REASONING, WHITESPACE_CONTENT, ARGUMENTS_RESPACED]
+    for billed in (truth, truth + 1):
+        for only in searches:
+            shared = search_repairs(sample, counting, fam, billed, None, "counts_eot", only=only)
+            fresh = search_repairs(answer, tok, fam, billed, None, "counts_eot", only=only)
+            assert (shared.status, shared.transforms, shared.evidence) == (fresh.status, fresh.transforms, fresh.evidence)
+            assert (shared.chosen is None) == (fresh.chosen is None)
+            statuses.add(shared.status)
+            if fresh.chosen is not None:
+                assert (shared.chosen.ids, shared.chosen.segments) == (fresh.chosen.ids, fresh.chosen.segments)
+    assert statuses == {"unique", "ambiguous", "none"}  # (the whole search: a newline restored counts alike)
+    assert len(counting.asked) == len(set(counting.asked))  # each distinct text once, for every search above
+    assert "Thinking it over." in counting.asked and " Calling." in counting.asked
+    assert answer.tool_calls == calls and answer.content == "Calling."  # the answer itself is left as it came

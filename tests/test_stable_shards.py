@@ -211,3 +211,22 @@ def test_verdicts_do_not_depend_on_sharding(k2, recorded, tmp_path, monkeypatch)
         assert _per_id(tmp_path / d) == want, d
         assert res.manifest["conventions"] == single.manifest["conventions"]
         assert [st.provider for st in res.stats] == [st.provider for st in single.stats]
+
+
+def test_reason_lists_are_built_as_polars_builds_them():
+    """few_distinct_lists (the verdicts' reasons column) equals polars' own construction of the same lists,
+    empty lists and empty input included."""
+    import random
+
+    import polars as pl
+
+    from eagledata.tokens.shards import few_distinct_lists
+
+    rng = random.Random(7)
+    codes = ["completion_count_mismatch", "tool_id_rebuilt", "prompt_count_mismatch", "whitespace_restored"]
+    cases = [[], [[]], [[]] * 3, [["a"], [], ["a", "b"], ["b", "a"], ["a"]]]
+    cases.append([rng.sample(codes, rng.randint(0, 3)) for _ in range(300)])
+    for lists in cases:
+        built = few_distinct_lists("reasons", lists)
+        assert built.equals(pl.Series("reasons", lists, dtype=pl.List(pl.Utf8)))
+        assert built.to_list() == lists and built.name == "reasons"

@@ -452,11 +452,12 @@ def verdict(stats: SampleStats, convention: str, reasoning_checked: bool = True)
 
 
 def verdict_of(codes: list[str]) -> str:
-    if _has(codes, "error"):
+    severities = {REASONS[c][0] for c in codes}
+    if "error" in severities:
         return "error"
-    if _has(codes, "block"):
+    if "block" in severities:
         return "mismatch"
-    if _has(codes, "repair"):
+    if "repair" in severities:
         return "repaired"
     return "exact"
 

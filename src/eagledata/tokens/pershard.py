@@ -424,7 +424,7 @@ def part_stats(df: pl.DataFrame) -> list[SampleStats]:
     for r in df.select(cols).iter_rows():
         *head, codes, has_tools, alt = r
         out.append(SampleStats(*head, codes=list(codes), has_tools=has_tools,
-                               prompt_alt=json.loads(alt) if alt is not None else None))
+                               prompt_alt=loads_json(alt) if alt is not None else None))
     return out
 
 

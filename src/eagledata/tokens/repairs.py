@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from itertools import combinations, product
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from eagledata.tokens.checks import EXCLUDES_EOT
 from eagledata.text.families import ModelFamily
@@ -154,14 +154,55 @@ WHITESPACE_PREFIXES = (" ", "\n", "\n\n", "  ")
 
 
 def applicable_transforms(parsed: ParsedResponse) -> list[str]:
-    out = []
-    if parsed.reasoning and not parsed.reasoning[0].isspace():
-        out.append(WHITESPACE_REASONING)
-    if parsed.content and not parsed.content[0].isspace():
-        out.append(WHITESPACE_CONTENT)
-    if any(_respaced(c.arguments) is not None for c in parsed.tool_calls):
-        out.append(ARGUMENTS_RESPACED)
-    return out
+    return SampleCandidates(parsed).applicable
+
+
+class SampleCandidates:
+    """What every repair search of one sample (``parsed``) shares, worked out once however many
+    searches ask (a sample is searched for each transformation alone, then for its provider's known
+    ones): the respaced tool-call arguments, the transformations that apply, and the encoding of each
+    distinct text segment (candidates share every segment their transformations leave unchanged)."""
+
+    def __init__(self, parsed: ParsedResponse):
+        self.parsed = parsed
+        #: per tool call, its arguments as the model spaces JSON (:func:`_respaced`; None: nothing to respace)
+        self.respaced = [_respaced(c.arguments) for c in parsed.tool_calls]
+        applicable = []
+        if parsed.reasoning and not parsed.reasoning[0].isspace():
+            applicable.append(WHITESPACE_REASONING)
+        if parsed.content and not parsed.content[0].isspace():
+            applicable.append(WHITESPACE_CONTENT)
+        if any(r is not None for r in self.respaced):
+            applicable.append(ARGUMENTS_RESPACED)
+        self.applicable = applicable
+        self._encodings: dict[str, list[int]] = {}
+
+    def transformed(self, transforms: tuple[str, ...], prefixes: Mapping[str, str] | None = None) -> ParsedResponse:
+        """:func:`apply_transforms` of the sample."""
+        return apply_transforms(self.parsed, transforms, prefixes, self.respaced)
+
+    def tokenizer(self, tokenizer: Tokenizer) -> "_SharedEncodings":
+        """``tokenizer`` encoding each distinct plain text once for this sample's candidates."""
+        return _SharedEncodings(tokenizer, self._encodings)
+
+
+class _SharedEncodings:
+    """A tokenizer whose :meth:`encode_plain` keeps what it encoded in ``encodings`` (text -> ids, shared
+    and never changed: a reconstruction copies ids into its own list); everything else is the tokenizer's."""
+
+    def __init__(self, tokenizer: Tokenizer, encodings: dict[str, list[int]]):
+        self._tokenizer = tokenizer
+        self._encodings = encodings
+        self.special_id = tokenizer.special_id
+
+    def encode_plain(self, text: str) -> list[int]:
+        ids = self._encodings.get(text)
+        if ids is None:
+            ids = self._encodings[text] = self._tokenizer.encode_plain(text)
+        return ids
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
 
 
 def _variants(transform: str) -> tuple[str, ...]:
@@ -169,9 +210,11 @@ def _variants(transform: str) -> tuple[str, ...]:
 
 
 def apply_transforms(parsed: ParsedResponse, transforms: tuple[str, ...],
-                     prefixes: Mapping[str, str] | None = None) -> ParsedResponse:
+                     prefixes: Mapping[str, str] | None = None,
+                     respaced: Sequence[str | None] | None = None) -> ParsedResponse:
     """``parsed`` with the inverse transformations applied; ``prefixes`` gives the whitespace put
-    back per whitespace transform (default one space)."""
+    back per whitespace transform (default one space); ``respaced``: each tool call's
+    :func:`_respaced` arguments where known."""
     prefixes = prefixes or {}
     p = replace(parsed, tool_calls=list(parsed.tool_calls))
     if WHITESPACE_REASONING in transforms:
@@ -179,7 +222,8 @@ def apply_transforms(parsed: ParsedResponse, transforms: tuple[str, ...],
     if WHITESPACE_CONTENT in transforms:
         p.content = prefixes.get(WHITESPACE_CONTENT, " ") + (p.content or "")
     if ARGUMENTS_RESPACED in transforms:
-        p.tool_calls = [replace(c, arguments=_respaced(c.arguments) or c.arguments) for c in p.tool_calls]
+        spaced = respaced if respaced is not None else [_respaced(c.arguments) for c in p.tool_calls]
+        p.tool_calls = [replace(c, arguments=r or c.arguments) for c, r in zip(p.tool_calls, spaced)]
     return p
 
 
@@ -195,7 +239,7 @@ def counts_match(rc: Reconstruction, billed_completion: int | None, billed_reaso
 
 
 def search_repairs(
-    parsed: ParsedResponse,
+    parsed: ParsedResponse | SampleCandidates,
     tokenizer: Tokenizer,
     family: ModelFamily,
     billed_completion: int | None,
@@ -205,16 +249,19 @@ def search_repairs(
     only: tuple[str, ...] | None = None,
 ) -> RepairResult:
     """Try every combination of the applicable inverse transformations (restricted to ``only``
-    when given); accept the unique candidate matching every billed count."""
-    options = [t for t in applicable_transforms(parsed) if only is None or t in only]
+    when given); accept the unique candidate matching every billed count. ``parsed``: the sample's
+    answer, or its :class:`SampleCandidates` where it is searched more than once."""
+    sample = parsed if isinstance(parsed, SampleCandidates) else SampleCandidates(parsed)
+    options = [t for t in sample.applicable if only is None or t in only]
     if not options or billed_completion is None or convention not in ("counts_eot", EXCLUDES_EOT):
         return RepairResult("not_applicable")
     evidence, matching = [], []
+    encoder = sample.tokenizer(tokenizer)
     for r in range(1, len(options) + 1):
         for combo in combinations(options, r):
             for variant in product(*(_variants(t) for t in combo)):
                 prefixes = {t: v for t, v in zip(combo, variant) if v}
-                rc = reconstruct_completion(apply_transforms(parsed, combo, prefixes), tokenizer, family, 0, thinking)
+                rc = reconstruct_completion(sample.transformed(combo, prefixes), encoder, family, 0, thinking)
                 ok, diff = counts_match(rc, billed_completion, billed_reasoning, convention)
                 label = [f"{t}={prefixes[t]!r}" if t in prefixes else t for t in combo]
                 evidence.append({"transforms": label, "completion_diff": diff, "reasoning_tokens": rc.reasoning_tokens,

@@ -67,7 +67,7 @@ from eagledata.tokens.checks import (COUNT_CODES, REASONS, SampleStats, completi
 from eagledata.tokens.learning import (learn_prompt_variants, learn_reasoning_reliability, provider_sorts_tool_keys,
                                       reasoning_checked, reasoning_vote, request_order_explains, sample_variant)
 from eagledata.tokens.policy import Policy, resolve_policy
-from eagledata.tokens.repairs import (ARGUMENTS_RESPACED, KEY_ORDER_KEPT, key_order_in_question, shows_key_order_kept, WHITESPACE_CONTENT, WHITESPACE_REASONING, RepairResult, applicable_transforms,
+from eagledata.tokens.repairs import (ARGUMENTS_RESPACED, KEY_ORDER_KEPT, key_order_in_question, shows_key_order_kept, WHITESPACE_CONTENT, WHITESPACE_REASONING, RepairResult, SampleCandidates,
                       parsed_from_segments, search_repairs)
 from eagledata.tokens.reconstruct import segments_json
 from eagledata.errors import InputError
@@ -350,10 +350,18 @@ def with_verdicts(df: pl.DataFrame, stats: Sequence[SampleStats], judged: Sequen
         pl.Series("completion_verdict", cols["completion_verdict"], dtype=pl.Utf8),
         pl.Series("prompt_verdict", cols["prompt_verdict"], dtype=pl.Utf8),
         pl.Series("prompt_variant", cols["prompt_variant"], dtype=pl.Utf8),
-        pl.Series("reasons", cols["reasons"], dtype=pl.List(pl.Utf8)),
+        few_distinct_lists("reasons", cols["reasons"]),
         pl.Series("train", cols["train"], dtype=pl.Boolean),
         pl.Series("repair", cols["repair"], dtype=pl.Utf8),
     )
+
+
+def few_distinct_lists(name: str, lists: Sequence[Sequence[str]]) -> pl.Series:
+    """``pl.Series(name, lists, dtype=pl.List(pl.Utf8))`` for lists of which few are distinct (reason
+    codes): each distinct list made once and gathered, where polars builds a series for every row's list."""
+    index: dict[tuple[str, ...], int] = {}
+    rows = [index.setdefault(tuple(codes), len(index)) for codes in lists]
+    return pl.Series(name, [list(codes) for codes in index], dtype=pl.List(pl.Utf8)).gather(rows)
 
 
 #: (``input_ids``: None, its dtype in the frame: 64-bit in a shard, 32-bit in a per-shard part, cast
@@ -378,9 +386,9 @@ def _repaired_columns(df: pl.DataFrame, repaired: Mapping[int, tuple[SampleStats
         new["reasoning_len"].append(rc.reasoning_tokens)
     columns = []
     for name, dtype in dtypes.items():
-        column, pieces, start = df[name].cast(dtype), [], 0
-        for row, value in zip(rows, new[name]):
-            pieces += [column.slice(start, row - start), pl.Series(name, [value], dtype=dtype)]
+        column, values, pieces, start = df[name].cast(dtype), pl.Series(name, new[name], dtype=dtype), [], 0
+        for k, row in enumerate(rows):
+            pieces += [column.slice(start, row - start), values.slice(k, 1)]
             start = row + 1
         pieces.append(column.slice(start))
         columns.append(pl.concat(pieces).rechunk().alias(name))
@@ -522,8 +530,9 @@ class Judge:
             found: tuple[str, ...] = ()
             if repairable(judged[i].reasons):
                 parsed, thinking = _row_parsed(segs, finish), _thinking_of(segs)
-                singles = [t for t in applicable_transforms(parsed)
-                           if search_repairs(parsed, self.tokenizer, self.family, st.billed_completion,
+                sample = SampleCandidates(parsed)
+                singles = [t for t in sample.applicable
+                           if search_repairs(sample, self.tokenizer, self.family, st.billed_completion,
                                              self._billed_reasoning(st), self._conv(st), thinking,
                                              only=(t,)).status == "unique"]
                 behaviours = {_transform_family(t) for t in singles}
@@ -548,7 +557,8 @@ class Judge:
                 proven = set(learned.get(st.provider, ()))
                 known = tuple(sorted(proven - {KEY_ORDER_KEPT}))
                 if known:
-                    self._repair(st, j, _row_parsed(segs, finish), _thinking_of(segs), known, KEY_ORDER_KEPT in proven)
+                    self._repair(st, j, SampleCandidates(_row_parsed(segs, finish)), _thinking_of(segs), known,
+                                 KEY_ORDER_KEPT in proven)
 
     def ambiguity_check(self, stats: Sequence[SampleStats], judged: Sequence[Judgement],
                         rows: Iterable[tuple[int, tuple]], learned: Mapping[str, Iterable[str]]) -> None:
@@ -573,8 +583,9 @@ class Judge:
             checks = [(WHITESPACE_REASONING, WHITESPACE_CONTENT)] if st.provider in strippers else []
             if "tool_arguments_compact" in st.codes:
                 checks.append((ARGUMENTS_RESPACED,))
+            sample = SampleCandidates(_row_parsed(segs, finish)) if checks else None
             for only in checks:
-                res = search_repairs(_row_parsed(segs, finish), self.tokenizer, self.family, st.billed_completion,
+                res = search_repairs(sample, self.tokenizer, self.family, st.billed_completion,
                                      self._billed_reasoning(st), self._conv(st), _thinking_of(segs), only=only)
                 if res.status in ("unique", "ambiguous"):
                     j.reasons.append("tool_arguments_ambiguous" if only == (ARGUMENTS_RESPACED,) else "whitespace_ambiguous")
@@ -586,21 +597,21 @@ class Judge:
                     j.reasons.append("tool_arguments_order_unproven")
                     j.verdict = verdict_of(j.reasons)
 
-    def _repair(self, st: SampleStats, j: Judgement, parsed, thinking: bool, known: tuple[str, ...],
+    def _repair(self, st: SampleStats, j: Judgement, sample: SampleCandidates, thinking: bool, known: tuple[str, ...],
                 order_kept: bool = False) -> None:
-        """Search ``known`` repairs. A unique candidate that respaces tool arguments (the provider
+        """Search ``known`` repairs of ``sample``. A unique candidate that respaces tool arguments (the provider
         re-serialized them), or keeps compact ones, is not chosen where their key order is in question
         (``order_kept``: the provider is proven to keep it): it stays evidence, the sample a mismatch
         (``tool_arguments_order_unproven``)."""
-        res = search_repairs(parsed, self.tokenizer, self.family, st.billed_completion, self._billed_reasoning(st),
+        res = search_repairs(sample, self.tokenizer, self.family, st.billed_completion, self._billed_reasoning(st),
                              self._conv(st), thinking, only=known)
         if res.status == "unique" and "tool_arguments_compact" in st.codes and ARGUMENTS_RESPACED not in known:
             # a provider not (yet) proven to compact: the model's spacing may explain the count as well
-            wider = search_repairs(parsed, self.tokenizer, self.family, st.billed_completion, self._billed_reasoning(st),
+            wider = search_repairs(sample, self.tokenizer, self.family, st.billed_completion, self._billed_reasoning(st),
                                    self._conv(st), thinking, only=known + (ARGUMENTS_RESPACED,))
             res = wider if wider.status == "ambiguous" else res
         j.repair = res
-        if res.status == "unique" and _order_unproven(st, lambda: parsed, order_kept, ARGUMENTS_RESPACED in res.transforms):
+        if res.status == "unique" and _order_unproven(st, lambda: sample.parsed, order_kept, ARGUMENTS_RESPACED in res.transforms):
             j.repair = dataclasses.replace(res, chosen=None)
             j.reasons.append("tool_arguments_order_unproven")
             j.verdict = verdict_of(j.reasons)
