@@ -83,7 +83,7 @@ from eagledata.tokens.responses import ParsedResponse
 from eagledata.tokens.samples import parse_record
 from eagledata.tokens.shards import (PASS1_SCHEMA, MAX_SHARD_FACTOR, Judge, ResponsesFileError, checked_record, is_boundary_id,
                                      Learned, proven_repairs, prune_shards, publish_shard, reconstruct_sample, transformations_seen, with_verdicts,
-                                     shard_name)
+                                     shard_name, few_distinct_lists)
 
 log = logging.getLogger(__name__)
 PLAN_VERSION = 2  # 2: a slice holds each record's io.line_digest (1: its sha256)
@@ -319,7 +319,9 @@ def reconstruct_shard(slice_path: str | Path, where_path: str | Path, responses_
                     values.append(row[name])
                 stats.append(st)
             clock.tick("samples built and checked")
-            frames.append(pl.DataFrame(columns, schema=PART_SCHEMA))
+            # (the flags and codes: few distinct lists, each made once)
+            frames.append(pl.DataFrame({**columns, "flags": few_distinct_lists("flags", columns["flags"]),
+                                        "codes": few_distinct_lists("codes", columns["codes"])}, schema=PART_SCHEMA))
             del batch, columns
             collect()
             clock.tick("part")
