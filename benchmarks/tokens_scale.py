@@ -271,7 +271,9 @@ def pipeline(sizes: list[int], work: Path, shard_size: int = 1000, two_cores: bo
         two = f"{walls[2]:.1f}s on 2 cores (speed-up {walls[1] / walls[2]:.2f}x)" if two_cores else "2 cores not run"
         if two_cores:
             speedups.append((n, walls[1] / walls[2]))
-        print(f"{n:>7} records, {len(manifest['shards'])} shards: tokens stage {walls[1]:.1f}s on 1 core, "
+        largest = max((s["rows"] for s in manifest["shards"]), default=0)
+        print(f"{n:>7} records, {len(manifest['shards'])} shards (the largest {largest} rows: the tokens job's peak "
+              f"follows it, up to the cap of {manifest['sharding']['max_rows']}): tokens stage {walls[1]:.1f}s on 1 core, "
               f"{two}; {rate / 1e6:.2f}M tokens/s per core "
               f"= {rate / raw_rate:.2f}x raw tiktoken ({raw_rate / 1e6:.2f}M/s; token_shard jobs alone "
               f"{shard_rate / raw_rate:.2f}x; fitted over them: {start:.2f}s to start a job, then "
