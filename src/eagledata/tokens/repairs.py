@@ -153,10 +153,6 @@ def key_order_in_question(parsed: ParsedResponse, order_kept: bool) -> bool:
 WHITESPACE_PREFIXES = (" ", "\n", "\n\n", "  ")
 
 
-def applicable_transforms(parsed: ParsedResponse) -> list[str]:
-    return SampleCandidates(parsed).applicable
-
-
 class SampleCandidates:
     """What every repair search of one sample (``parsed``) shares, worked out once however many
     searches ask (a sample is searched for each transformation alone, then for its provider's known
