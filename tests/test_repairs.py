@@ -519,11 +519,42 @@ class _CountingTokenizer:
         return getattr(self.tok, name)
 
 
+def _reference_candidates(answer, tok, fam, only):
+    """(label, reconstruction) of every candidate a repair search of ``answer`` should try, built here from
+    the transformations' definitions: a whitespace prefix put back before the reasoning or the content,
+    the tool-call arguments re-serialized with the standard library's spacing."""
+    from itertools import combinations, product
+
+    from eagledata.tokens.repairs import (ARGUMENTS_RESPACED, WHITESPACE_CONTENT, WHITESPACE_PREFIXES,
+                                          WHITESPACE_REASONING)
+
+    def spaced(arguments):
+        return json.dumps(json.loads(arguments))
+
+    applies = {WHITESPACE_REASONING: not answer.reasoning[0].isspace(), WHITESPACE_CONTENT: not answer.content[0].isspace(),
+               ARGUMENTS_RESPACED: any(spaced(c.arguments) != c.arguments for c in answer.tool_calls)}
+    options = [t for t, ok in applies.items() if ok and (only is None or t in only)]
+    for r in range(1, len(options) + 1):
+        for combo in combinations(options, r):
+            for variant in product(*((WHITESPACE_PREFIXES if t != ARGUMENTS_RESPACED else ("",)) for t in combo)):
+                reasoning, content, calls = answer.reasoning, answer.content, answer.tool_calls
+                for t, prefix in zip(combo, variant):
+                    if t == WHITESPACE_REASONING:
+                        reasoning = prefix + reasoning
+                    elif t == WHITESPACE_CONTENT:
+                        content = prefix + content
+                    else:
+                        calls = [ToolCall(c.id, c.name, spaced(c.arguments), c.index) for c in calls]
+                label = [f"{t}={p!r}" if p else t for t, p in zip(combo, variant)]
+                yield label, reconstruct_completion(ParsedResponse(streamed=False, reasoning=reasoning, content=content,
+                                                                   tool_calls=calls, finish_reason=answer.finish_reason), tok, fam)
+
+
 def test_one_samples_searches_share_its_candidates_and_find_what_a_fresh_search_finds(k25):
     """The judge searches a sample several times (each transformation alone, then its provider's known
-    ones): searches through one SampleCandidates give, candidate for candidate, what a search of the
-    answer alone gives, and encode each distinct text segment once however many candidates and
-    searches hold it."""
+    ones): searches through one SampleCandidates try, candidate for candidate, what the transformations
+    define (built independently here), choose what a count check of those chooses, and encode each
+    distinct text segment once however many candidates and searches hold it."""
     from eagledata.tokens.repairs import (ARGUMENTS_RESPACED, WHITESPACE_CONTENT, WHITESPACE_REASONING,
                                           SampleCandidates, search_repairs)
 
@@ -544,12 +575,16 @@ def test_one_samples_searches_share_its_candidates_and_find_what_a_fresh_search_
     for billed in (truth, truth + 1):
         for only in searches:
             shared = search_repairs(sample, counting, fam, billed, None, "counts_eot", only=only)
-            fresh = search_repairs(answer, tok, fam, billed, None, "counts_eot", only=only)
-            assert (shared.status, shared.transforms, shared.evidence) == (fresh.status, fresh.transforms, fresh.evidence)
-            assert (shared.chosen is None) == (fresh.chosen is None)
+            reference = list(_reference_candidates(answer, tok, fam, only))
+            assert [(e["transforms"], e["completion_diff"], e["reasoning_tokens"], e["matches"]) for e in shared.evidence] == \
+                [(label, len(rc.ids) - billed, rc.reasoning_tokens, len(rc.ids) == billed) for label, rc in reference]
+            matching = [(label, rc) for label, rc in reference if len(rc.ids) == billed]
+            expected = "unique" if len(matching) == 1 else "ambiguous" if matching else "none"
+            assert shared.status == expected
             statuses.add(shared.status)
-            if fresh.chosen is not None:
-                assert (shared.chosen.ids, shared.chosen.segments) == (fresh.chosen.ids, fresh.chosen.segments)
+            if expected == "unique":
+                assert list(shared.transforms) == matching[0][0]
+                assert (shared.chosen.ids, shared.chosen.segments) == (matching[0][1].ids, matching[0][1].segments)
     assert statuses == {"unique", "ambiguous", "none"}  # (the whole search: a newline restored counts alike)
     assert len(counting.asked) == len(set(counting.asked))  # each distinct text once, for every search above
     assert "Thinking it over." in counting.asked and " Calling." in counting.asked
