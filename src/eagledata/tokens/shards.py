@@ -583,17 +583,18 @@ class Judge:
             checks = [(WHITESPACE_REASONING, WHITESPACE_CONTENT)] if st.provider in strippers else []
             if "tool_arguments_compact" in st.codes:
                 checks.append((ARGUMENTS_RESPACED,))
-            sample = SampleCandidates(_row_parsed(segs, finish)) if checks else None
+            sample, thinking = (SampleCandidates(_row_parsed(segs, finish)), _thinking_of(segs)) if checks else (None, None)
             for only in checks:
                 res = search_repairs(sample, self.tokenizer, self.family, st.billed_completion,
-                                     self._billed_reasoning(st), self._conv(st), _thinking_of(segs), only=only)
+                                     self._billed_reasoning(st), self._conv(st), thinking, only=only)
                 if res.status in ("unique", "ambiguous"):
                     j.reasons.append("tool_arguments_ambiguous" if only == (ARGUMENTS_RESPACED,) else "whitespace_ambiguous")
                     j.verdict = verdict_of(j.reasons)
                     j.repair = dataclasses.replace(res, chosen=None)
                     break
             else:  # the arguments as they came
-                if _order_unproven(st, lambda: _row_parsed(segs, finish), KEY_ORDER_KEPT in set(learned.get(st.provider, ()))):
+                parsed_of = (lambda: sample.parsed) if sample is not None else (lambda: _row_parsed(segs, finish))
+                if _order_unproven(st, parsed_of, KEY_ORDER_KEPT in set(learned.get(st.provider, ()))):
                     j.reasons.append("tool_arguments_order_unproven")
                     j.verdict = verdict_of(j.reasons)
 
