@@ -23,6 +23,7 @@ from typing import Any, Mapping, Sequence
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from eagledata.text.kimi_templates import Renderer, checked_renderer
 from eagledata.text.tokenizer import Tokenizer, drop_oldest
 from eagledata.text.tool_declaration import ToolDeclarationError, deep_sort, typescript_tool_declaration
 from eagledata.errors import EagledataError
@@ -77,15 +78,35 @@ def render_chat(
     **extra: Any,
 ) -> str:
     """Render ``messages`` (and ``tools``) to the prompt text. ``thinking=None`` leaves the
-    template's default; ``False`` asks a thinking template for its no-thinking prompt."""
-    kwargs: dict[str, Any] = dict(messages=list(messages), tools=list(tools) if tools else None,
-                                  add_generation_prompt=add_generation_prompt, **extra)
+    template's default; ``False`` asks a thinking template for its no-thinking prompt. A Kimi template
+    renders in Python where the conversation is a plain one (:mod:`eagledata.text.kimi_templates`: the
+    same text), anything else through Jinja."""
+    messages, tools = list(messages), list(tools) if tools else None
+    native = _native_renderer(template)
+    if native is not None:
+        text = native(messages, tools, add_generation_prompt, thinking, extra)
+        if text is not None:
+            return text
+    return render_jinja(template, messages, tools, add_generation_prompt, thinking, extra)
+
+
+def render_jinja(template: str, messages: list, tools: list | None, add_generation_prompt: bool,
+                 thinking: bool | None, extra: Mapping[str, Any]) -> str:
+    """:func:`render_chat` through Jinja alone (``messages`` and ``tools`` as lists)."""
+    kwargs: dict[str, Any] = dict(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **extra)
     if thinking is not None:
         kwargs["thinking"] = thinking
     try:
         return _compile(template).render(**kwargs)
     except TemplateError as exc:
         raise ChatTemplateError(f"chat template failed: {exc}") from exc
+
+
+@lru_cache(maxsize=16)
+def _native_renderer(template: str) -> Renderer | None:
+    """The Python renderer of exactly this template (:mod:`eagledata.text.kimi_templates`), once it has
+    rendered the probe conversations as Jinja does here; else None."""
+    return checked_renderer(template, lambda *args: render_jinja(template, *args))
 
 
 def declare_tools(tools: Sequence[Mapping[str, Any]] | None, tool_declaration: str,
