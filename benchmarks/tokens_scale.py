@@ -30,6 +30,7 @@ Needs ../shared (the recorded traffic and the Kimi K2 tokenizer).
 from __future__ import annotations
 
 import argparse
+import compileall
 import csv
 import json
 import os
@@ -159,6 +160,9 @@ def repo_copy(dest: Path, datasets: dict, shard_size: int) -> Path:
     config["tokens"] = {**(config.get("tokens") or {}), "shard_size": shard_size}
     config["extraction"] = {**config["extraction"], "enabled": False}
     (dest / "config/config.yaml").write_text(yaml.safe_dump(config))
+    # the copy's modules compiled, as their first import does where PYTHONDONTWRITEBYTECODE is not set (where
+    # it is, every job's process would compile the modules it imports again)
+    compileall.compile_dir(dest / "src", quiet=1)
     return dest
 
 

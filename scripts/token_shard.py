@@ -5,11 +5,8 @@ each about 0.25 s). The job runs in a warm worker where one can be used, else in
 
     python scripts/token_shard.py --slice S --stamp T --part P --summary J --log L
 """
-import argparse
+import sys
 
-from eagledata.tokens.warmjobs import JOB_FIELDS, main
+from eagledata.tokens.warmjobs import job_arguments, main
 
-ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-for name in JOB_FIELDS:
-    ap.add_argument(f"--{name}", required=True)
-main(vars(ap.parse_args()))
+main(job_arguments(sys.argv[1:]))

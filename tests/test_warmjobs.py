@@ -145,3 +145,38 @@ def test_installing_a_library_changes_the_workers_jobs_go_to(tmp_path, monkeypat
     (site / "polars-9.9.dist-info").rmdir()
     assert warmjobs.worker_key(stamp) not in (before, installed)
 
+
+
+def test_a_job_reads_its_arguments_in_any_order_and_refuses_any_other(capsys):
+    from eagledata.tokens.warmjobs import JOB_FIELDS, job_arguments
+
+    job = {name: f"/w/{name} with space.x" for name in JOB_FIELDS}
+    argv = [a for name in reversed(JOB_FIELDS) for a in (f"--{name}", job[name])]
+    assert job_arguments(argv) == job
+    for wrong in (argv[:-2], argv + ["--log", "again"], argv + ["--extra"], ["--slice"], ["slice", "s"] + argv,
+                  [argv[0], argv[1], argv[0], argv[1]] + argv[2:]):
+        with pytest.raises(SystemExit) as ended:
+            job_arguments(wrong)
+        assert ended.value.code == 2
+        assert "usage: token_shard.py --slice SLICE" in capsys.readouterr().err
+
+
+def test_what_a_job_sends_and_reads_is_what_json_writes_and_reads():
+    """The job's side writes and reads JSON without the json module (its import was a third of a job's
+    start): its request, with the odd strings an environment can hold, reads back as written."""
+    import json
+
+    from eagledata.tokens.warmjobs import json_text, json_value
+
+    request = {"job": {"slice": "a/b \"c\"\\d.tsv"}, "cwd": "/tmp/é 東京",
+               "env": {"UNDECODABLE": "x\udcff", "CTRL": "\x00\x1f\n\t\u2028", "EMPTY": "", "Ü": "☃"},
+               "key": ["/usr/bin/python3", [1733400000123456789, 5]]}
+    assert json.loads(json_text(request)) == request
+    assert json_text(request) == json.dumps(request, separators=(",", ":"))
+    for reply in ('{"code": 0}\n', '{"code": null, "refused": "its stamp is not /x/\\u00e9"}\n', ' {"code": 75} '):
+        assert json_value(reply) == json.loads(reply)
+    for bad in ("", "{", '{"code": 0} {"code": 1}', "code"):
+        with pytest.raises(ValueError):
+            json_value(bad)
+    with pytest.raises(TypeError):
+        json_text({"x": 1.5})

@@ -11,7 +11,8 @@ outputs are a function of its inputs only (what stays in a worker between jobs i
 and caches of pure functions), so a job run in a worker writes the bytes a fresh process writes (tested).
 
 How a job finds one (:func:`main`, called by ``scripts/token_shard.py`` before any heavy import; this module
-imports only what that needs, 0.03 s a job in all with the interpreter: the worker's side is
+imports only modules built into the interpreter, about 0.011 s a job in all with the interpreter's own start,
+0.01 s: the worker's side is
 :mod:`eagledata.tokens.warmworker`):
 
 - Workers are keyed by what decides the code and tokenizer they hold: the interpreter, ``PYTHONPATH``,
@@ -43,17 +44,33 @@ maintained library keeps warm Python processes per key for separate command-line
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import socket
 import stat
 import sys
 import time
 
-TYPE_CHECKING = False  # (typing's import is a tenth of a job's start here: the names are for annotations only)
+# A job's side imports only modules built into the interpreter where it can: json, socket, hashlib,
+# argparse and typing took about 0.017 s of a job's start, more than half of it (the interpreter 0.01 s).
+# _json's encoder and scanner are the ones json.dumps and json.loads run; _socket is the socket type
+# socket.socket wraps; the standard modules are the fallback.
+try:
+    import _socket as socket
+    from _json import encode_basestring_ascii as _json_string, make_scanner as _make_scanner
+except ImportError:  # an interpreter without them
+    import socket  # type: ignore[no-redef]
+    from json.encoder import encode_basestring_ascii as _json_string
+    _make_scanner = None
+try:
+    from _sha2 import sha256  # CPython 3.12 and later
+except ImportError:
+    try:
+        from _sha256 import sha256  # CPython 3.11
+    except ImportError:
+        from hashlib import sha256
+
+TYPE_CHECKING = False  # (the names are for annotations only)
 if TYPE_CHECKING:
-    from typing import Mapping, NoReturn
+    from typing import Any, Mapping, NoReturn, Sequence
 
 #: ``0`` runs every shard job in its own process
 ENABLE_ENV = "EAGLEDATA_WARM_WORKERS"
@@ -64,6 +81,23 @@ JOB_FIELDS = ("slice", "stamp", "part", "summary", "log")
 
 
 # the job's side ----------------------------------------------------------------------------------------
+
+def job_arguments(argv: Sequence[str]) -> dict[str, str]:
+    """The job's fields from its command line, ``--FIELD VALUE`` for each of :data:`JOB_FIELDS` (any
+    order, each once); anything else prints the usage and exits with status 2 (as argparse would)."""
+    job: dict[str, str] = {}
+    args = list(argv)
+    while len(args) >= 2 and args[0].startswith("--") and args[0][2:] in JOB_FIELDS and args[0][2:] not in job:
+        name, value = args[0][2:], args[1]
+        job[name] = value
+        del args[:2]
+    if args or len(job) != len(JOB_FIELDS):
+        usage = " ".join(f"--{name} {name.upper()}" for name in JOB_FIELDS)
+        wrong = f"unexpected {args[0]!r}" if args else "missing " + ", ".join(f"--{n}" for n in JOB_FIELDS if n not in job)
+        sys.stderr.write(f"usage: token_shard.py {usage}\ntoken_shard.py: error: {wrong}\n")
+        sys.exit(2)
+    return job
+
 
 def main(job: Mapping[str, str]) -> NoReturn:
     """Run the token_shard ``job`` (its :data:`JOB_FIELDS`) in a warm worker, or else in this process;
@@ -152,7 +186,7 @@ def worker_key(stamp: str) -> str:
 
     what = [sys.executable, os.environ.get("PYTHONPATH", ""), os.getcwd(), os.path.dirname(eagledata.__file__),
             os.path.abspath(stamp), installed_libraries()]
-    return hashlib.sha256(json.dumps(what).encode("utf-8")).hexdigest()[:20]
+    return sha256(json_text(what).encode("utf-8")).hexdigest()[:20]
 
 
 def installed_libraries() -> list[int]:
@@ -184,15 +218,16 @@ def _run_in_slot(address: str, lock: str, job: Mapping[str, str]) -> tuple[int |
     if conn is None:
         return None, f"the warm worker did not start (its log: {slot_log(lock)})"
     request = {"job": {k: job[k] for k in JOB_FIELDS}, "cwd": os.getcwd(), "env": dict(os.environ)}
-    with conn:
-        try:
-            conn.sendall(json.dumps(request).encode("utf-8") + b"\n")
-            reply = read_line(conn)
-        except OSError:
-            reply = b""
+    try:
+        conn.sendall(json_text(request).encode("utf-8") + b"\n")
+        reply = read_line(conn)
+    except OSError:
+        reply = b""
+    finally:
+        conn.close()
     if not reply:
         return None, "the warm worker ended before the job did"
-    answer = json.loads(reply)
+    answer = json_value(reply.decode("utf-8"))
     if answer.get("code") is None:
         return None, f"the warm worker refused the job: {answer.get('refused')}"
     return int(answer["code"]), ""
@@ -231,6 +266,46 @@ def _start_worker(address: str, lock: str, stamp: str) -> socket.socket | None:
             return _connect(address)
         time.sleep(0.002)
     return None
+
+
+def json_text(value: Any) -> str:
+    """The JSON text of ``value``: a string, an integer, a list or a dict with string keys of these (what
+    a job's request and its workers' key hold), as ``json.dumps`` writes it with compact separators."""
+    if isinstance(value, str):
+        return _json_string(value)
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{_json_string(k)}:{json_text(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(json_text(v) for v in value) + "]"
+    if type(value) is int:
+        return str(value)
+    raise TypeError(f"not written by json_text: {type(value).__name__}")
+
+
+class _Decoding:
+    """What json's scanner reads of a decoder: json.loads' defaults."""
+    strict = True
+    object_hook = object_pairs_hook = None
+    parse_float, parse_int, parse_constant = float, int, float
+
+
+def json_value(text: str) -> Any:
+    """The value of the JSON text ``text`` (a worker's answer), as ``json.loads`` reads it."""
+    if _make_scanner is None:
+        import json
+
+        return json.loads(text)
+    start = len(text) - len(text.lstrip(_JSON_SPACE))
+    try:
+        value, end = _make_scanner(_Decoding())(text, start)
+    except StopIteration:
+        end = -1
+    if end < 0 or text[end:].strip(_JSON_SPACE):
+        raise ValueError(f"not one JSON value: {text[:80]!r}")
+    return value
+
+
+_JSON_SPACE = " \t\r\n"
 
 
 def read_line(conn: socket.socket) -> bytes:
