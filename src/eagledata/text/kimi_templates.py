@@ -34,6 +34,10 @@ log = logging.getLogger(__name__)
 #: text, or None where the conversation is not a plain one (see the module's doc)
 Renderer = Callable[[Sequence[Any], Any, bool, Any, Mapping[str, Any]], "str | None"]
 
+#: the templates' ``tojson`` and ``tojson(separators=(',', ':'))`` (:func:`eagledata.text.chat._tojson`: ``json.dumps``
+#: with ``ensure_ascii=False``), one encoder each: ``json.dumps`` makes one per call with these arguments
+_TOJSON = json.JSONEncoder(ensure_ascii=False)
+_TOJSON_COMPACT = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 DEFAULT_SYSTEM = "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
 THINKING_VARIABLES = frozenset({"tools_ts_str"})
 
@@ -65,7 +69,7 @@ def _plain(messages: Sequence[Any]) -> bool:
 def _arguments(call: Mapping[str, Any]) -> str:
     # {% if tool_call['function']['arguments'] is string %}{{ ... }}{% else %}{{ ... | tojson }}{% endif %}
     arguments = call["function"]["arguments"]
-    return arguments if type(arguments) is str else json.dumps(arguments, ensure_ascii=False)
+    return arguments if type(arguments) is str else _TOJSON.encode(arguments)
 
 
 def _tool_calls(calls: Sequence[Mapping[str, Any]]) -> str:
@@ -99,8 +103,7 @@ def render_k2(messages: Sequence[Any], tools: Any, add_generation_prompt: bool, 
         return None
     out = []
     if tools:
-        out.append("<|im_system|>tool_declare<|im_middle|>" + json.dumps(tools, ensure_ascii=False, separators=(",", ":"))
-                   + "<|im_end|>")
+        out.append("<|im_system|>tool_declare<|im_middle|>" + _TOJSON_COMPACT.encode(tools) + "<|im_end|>")
     if messages and messages[0]["role"] != "system":  # (loop.first)
         out.append(DEFAULT_SYSTEM + "\n")
     for m in messages:
@@ -139,8 +142,7 @@ def _thinking_family(declares_typescript: bool, default_system: bool, thinking_s
             if declared:
                 out.append(f"<|im_system|>tool_declare<|im_middle|>{declared}<|im_end|>")
             else:
-                text = (json.dumps(tools, ensure_ascii=False, separators=(",", ":")) if declares_typescript
-                        else json.dumps(tools, ensure_ascii=False))
+                text = (_TOJSON_COMPACT if declares_typescript else _TOJSON).encode(tools)
                 out.append(f"<|im_system|>tool_declare<|im_middle|>{text}<|im_end|>")
         if default_system and (not messages or messages[0]["role"] != "system"):
             out.append(DEFAULT_SYSTEM)
