@@ -93,6 +93,66 @@ def test_prompt_encoding_names_only_the_specials_a_text_holds_and_encodes_as_if_
         assert tok.encode_with_specials(text) == _all_specials_encoding(tok, text), text
 
 
+def test_a_prompt_with_its_opening_blocks_kept_encodes_as_the_whole_text(k25):
+    """encode_prompt keeps the encodings of a prompt's opening <|im_system|>...<|im_end|> blocks: the same
+    ids as the whole text told of every special, whatever the blocks and the rest hold (specials and
+    near-specials on both sides of the cut, an <|im_end|> inside a block, no block at all), from the first
+    call and from what it kept; a list handed out can be changed without changing the next."""
+    import random
+
+    from eagledata.text.tokenizer import PROMPT_HEADS_KEPT
+
+    tok, _ = k25
+    names = sorted(tok.special_names())
+    pieces = ["<|", "|>", "<|im_end|", "<|im_end|>", "<|im_system|>", "[BOS]", "<think>", "x", " ", "\n", "héllo",
+              '{"a":1}', "<|not_a_special|>", "|", "<", ">"]
+    rng = random.Random(11)
+
+    def mix(n):
+        return "".join(rng.choice(pieces + rng.sample(names, 2)) for _ in range(rng.randint(0, n)))
+
+    texts = ["<|im_system|>", "<|im_system|><|im_end|>", "<|im_system|>a<|im_end|><|im_end|>b",
+             "<|im_system|>tool_declare<|im_middle|>[]<|im_end|>\n<|im_user|>user<|im_middle|>hi<|im_end|>"]
+    for _ in range(1500):
+        blocks = "".join(f"<|im_system|>{mix(8)}<|im_end|>{rng.choice(['', '', chr(10)])}" for _ in range(rng.randint(0, 3)))
+        texts.append(rng.choice(["", "<|im_system|>"]) + blocks + mix(20))
+    kept_before = len(tok.prompt_heads)
+    for text in texts:
+        want = _all_specials_encoding(tok, text)
+        first = tok.encode_prompt(text)
+        assert first == want, text
+        first.append(-1)
+        assert tok.encode_prompt(text) == want, text
+    assert kept_before < len(tok.prompt_heads) <= PROMPT_HEADS_KEPT
+
+
+def test_a_prompt_kimis_tokenizer_cuts_is_encoded_whole(k25):
+    """Past 400,000 characters, or with a run of 25,000 characters without (or of) white space, Kimi's
+    tokenizer cuts the text itself: such a prompt is encoded whole, its blocks not kept."""
+    tok, _ = k25
+    head = "<|im_system|>tool_declare<|im_middle|>" + '{"x":"' + "y" * 30 + '"}<|im_end|>'
+    for rest in ("a" * (MAX_NO_WHITESPACES_CHARS + 10), "word " * 90_000, "<|im_user|>" + " " * 30_000 + "z"):
+        tok.prompt_heads.clear()
+        text = head + rest
+        assert tok.encode_prompt(text) == tok.encode_with_specials(text)
+        assert not tok.prompt_heads
+
+
+def test_recorded_prompts_encode_alike_either_way():
+    from conftest import need_shared
+
+    from eagledata.text.chat import prompt_text
+
+    requests = [json.loads(line)["request"] for line in
+                need_shared("recorded", "openrouter-kimi-k2-0905.jsonl").open(encoding="utf-8")]
+    for name, family in (("kimi-k2-instruct", "kimi-k2"), ("kimi-k2-thinking", "kimi-k2-thinking"), ("kimi-k2.5", "kimi-k2.5")):
+        tok = load_tokenizer(need_shared("tokenizers", name), get_family(family))
+        for req in requests:
+            text = prompt_text(tok, req["messages"], req.get("tools"))
+            assert tok.encode_prompt(text) == tok.encode_with_specials(text)
+        assert tok.prompt_heads  # the recorded prompts open with a tool declaration or a system prompt
+
+
 def test_a_tokenizer_with_specials_of_another_shape_tells_tiktoken_of_them_all(k25):
     import tiktoken
     tok, _ = k25
@@ -104,6 +164,8 @@ def test_a_tokenizer_with_specials_of_another_shape_tells_tiktoken_of_them_all(k
     text = "a<<odd>>b<|im_end|>[BOS]"
     assert odd.encode_with_specials(text) == _all_specials_encoding(odd, text)
     assert specials["<<odd>>"] in odd.encode_with_specials(text)
+    prompt = "<|im_system|>s<<odd>><|im_end|>" + text
+    assert odd.encode_prompt(prompt) == _all_specials_encoding(odd, prompt) and not odd.prompt_heads
 
 
 def _reference_split(text, window=400_000, max_len=MAX_NO_WHITESPACES_CHARS):

@@ -194,7 +194,7 @@ def prompt_ids(
     """Token ids of the prompt the model sees for ``messages`` (see :func:`prompt_text`)."""
     text = prompt_text(tokenizer, messages, tools, thinking, template, add_generation_prompt, tool_declaration,
                        sort_tool_keys)
-    return tokenizer.encode_with_specials(text)
+    return tokenizer.encode_prompt(text)
 
 
 def request_thinking(request: Mapping[str, Any]) -> bool | None:

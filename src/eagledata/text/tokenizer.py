@@ -17,7 +17,8 @@ Contract of every tokenizer:
 * ``encode_plain_ahead(texts)`` may encode ``texts`` now, for ``encode_plain`` to hand each out
   once later: a speed-up only (what ``encode_plain`` returns is the same either way).
 * ``encode_with_specials(text)`` parses special-token text (used for rendered chat prompts, as
-  the model's chat template path does).
+  the model's chat template path does); ``encode_prompt(text)`` returns the same ids for a rendered
+  prompt (a tokenizer may keep the encodings of the blocks a dataset's prompts share).
 * ``decodes_to(ids, text)`` is exactly ``decode(ids) == text`` (the validation checks' question;
   a tokenizer may answer it without decoding when it can prove the answer).
 * ``special_id(name)`` looks ids up by name; nothing in this package types an id in.
@@ -78,6 +79,7 @@ class Tokenizer(Protocol):
     def encode_plain(self, text: str) -> list[int]: ...
     def encode_plain_ahead(self, texts: Iterable[str]) -> None: ...
     def encode_with_specials(self, text: str) -> list[int]: ...
+    def encode_prompt(self, text: str) -> list[int]: ...
     def decode(self, ids: Sequence[int]) -> str: ...
     def decodes_to(self, ids: list[int], text: str) -> bool: ...
     def special_id(self, name: str) -> int: ...
@@ -117,6 +119,11 @@ def _split_runs(s: str, max_len: int) -> Iterator[str]:
 
 #: how many recent plain encodings a tiktoken tokenizer keeps for :meth:`TiktokenTokenizer.decodes_to`
 RECENT_PLAIN = 64
+#: distinct prompt openings (tool declaration and system prompt) a tiktoken tokenizer keeps encoded
+#: (:meth:`TiktokenTokenizer.encode_prompt`), and the longest kept: at most about 16 x 64k characters
+PROMPT_HEADS_KEPT = 16
+PROMPT_HEAD_MAX_CHARS = 65_536
+_SYSTEM_BLOCK, _BLOCK_END = "<|im_system|>", "<|im_end|>"
 
 
 def _remember(recent: dict[str, list[int]], text: str, ids: list[int]) -> None:
@@ -229,6 +236,8 @@ class TiktokenTokenizer:
     recent_plain: dict[str, list[int]] = field(default_factory=dict, init=False, repr=False, compare=False)
     #: plain encodings made ahead (:meth:`encode_plain_ahead`), text -> ids, each handed out once
     ahead_plain: dict[str, list[int]] = field(default_factory=dict, init=False, repr=False, compare=False)
+    #: the opening blocks of recent prompts, text -> ids (:meth:`encode_prompt`)
+    prompt_heads: dict[str, list[int]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def encode_plain(self, text: str) -> list[int]:
         out = self.ahead_plain.pop(text, None) if self.ahead_plain else None
@@ -266,6 +275,42 @@ class TiktokenTokenizer:
             allowed = self.special_set.intersection(SPECIAL_SHAPE.findall(piece)) if self.specials_shaped else "all"
             out.extend(enc(piece, allowed_special=allowed, disallowed_special=()))
         return out
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """:meth:`encode_with_specials` of a rendered prompt, the same ids, with its opening system blocks
+        (each ``<|im_system|>...<|im_end|>``: a Kimi prompt's tool declaration and system prompt, which a
+        dataset's samples share) encoded once per distinct text (:data:`PROMPT_HEADS_KEPT` kept), the rest
+        as it comes: on the recorded traffic they are about half of a prompt's encoding time.
+
+        The same ids: the blocks end with a special token, and no special token a text holds can run
+        across one (:data:`SPECIAL_SHAPE`: every special is shaped, so none holds another's start or end),
+        so tiktoken, which encodes the text between the specials it finds one run at a time, encodes the
+        blocks and the rest as it does the whole. Only where Kimi's long-input rule leaves the text whole
+        (:func:`split_for_kimi`); else the text is encoded as one, as before."""
+        end = self._prompt_head_end(text)
+        if not end:
+            return self.encode_with_specials(text)
+        head = text[:end]
+        ids = self.prompt_heads.get(head)
+        if ids is None:
+            ids = self.prompt_heads[head] = self.encode_with_specials(head)
+            drop_oldest(self.prompt_heads, PROMPT_HEADS_KEPT)
+        return ids + self.encode_with_specials(text[end:])  # (a new list: the kept one is never handed out)
+
+    def _prompt_head_end(self, text: str) -> int:
+        """Where the ``<|im_system|>...<|im_end|>`` blocks that open ``text`` end; 0 where none do, where
+        they are longer than :data:`PROMPT_HEAD_MAX_CHARS`, or where the split is not provably exact."""
+        if not (self.specials_shaped and _BLOCK_END in self.specials and text.startswith(_SYSTEM_BLOCK)):
+            return 0
+        if len(text) > TIKTOKEN_MAX_ENCODE_CHARS or (len(text) > MAX_NO_WHITESPACES_CHARS and _LONG_RUN.search(text)):
+            return 0  # Kimi's tokenizer cuts this text itself: encoded whole
+        end = 0
+        while text.startswith(_SYSTEM_BLOCK, end):
+            close = text.find(_BLOCK_END, end)
+            if close < 0:
+                break
+            end = close + len(_BLOCK_END)
+        return end if end <= PROMPT_HEAD_MAX_CHARS else 0
 
     def decode(self, ids: Sequence[int]) -> str:
         """tiktoken's ``decode`` (UTF-8 with replacement), without its wrapper layers: the validation
@@ -385,6 +430,9 @@ class HFTokenizer:
 
     def encode_with_specials(self, text: str) -> list[int]:
         return list(self.tok(text, add_special_tokens=False)["input_ids"])  # type: ignore[operator]
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.encode_with_specials(text)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)  # type: ignore[attr-defined]
