@@ -237,15 +237,11 @@ def job_cost_fit(repo: Path, name: str) -> tuple[float, float]:
     for shard in plan["shards"]:
         with open(repo / "benchmarks/out" / name / "token_shard" / f"{shard['key']}.tsv") as fh:
             pts.append((shard["rows"], float(next(csv.DictReader(fh, delimiter="\t"))["s"])))
-    n = len(pts)
-    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
-    var = sum((x - mx) ** 2 for x, _ in pts)
-    slope = sum((x - mx) * (y - my) for x, y in pts) / var if var else 0.0
-    return my - slope * mx, slope
+    return _fit(pts)
 
 
 def pipeline(sizes: list[int], work: Path, shard_size: int = 1000, two_cores: bool = True, drafter: bool = False) -> int:
-    rows, ratios, speedups = [], [], []
+    rows, ratios, speedups, runs = [], [], [], []
     for n in sizes:
         path = build_drafter_dataset(n, work) if drafter else build_dataset(n, work)
         name = f"{'drafter' if drafter else 'scale'}{n}"
@@ -272,6 +268,7 @@ def pipeline(sizes: list[int], work: Path, shard_size: int = 1000, two_cores: bo
         in_process = raw_rate * per_row / (tokens["tokens"] / manifest["rows"])  # raw time per row / ours
         rows.append((n, rss))
         ratios.append(rate / raw_rate)
+        runs.append((n, walls[1], tokens["tokens"] / raw_rate))  # (samples, wall on 1 core, raw tiktoken's seconds)
         two = f"{walls[2]:.1f}s on 2 cores (speed-up {walls[1] / walls[2]:.2f}x)" if two_cores else "2 cores not run"
         if two_cores:
             speedups.append((n, walls[1] / walls[2]))
@@ -297,10 +294,27 @@ def pipeline(sizes: list[int], work: Path, shard_size: int = 1000, two_cores: bo
               + ", ".join(f"{n}: {g:.2f}x" for (n, _), g in zip(rows, growth))
               + f" ({'flat within 10%' if flat else 'NOT flat within 10%'})")
     worst = min(r for r in ratios)
-    print(f"RESULT tokens stage per core / raw tiktoken: worst {worst:.2f}x (target >= 0.3x): "
-          f"{'OK' if worst >= 0.3 else 'BELOW TARGET'}; 1->2 core speed-ups: "
-          + ", ".join(f"{n}: {x:.2f}x" for n, x in speedups) + " (noisy on a shared machine)")
+    print(f"RESULT tokens stage per core / raw tiktoken: "
+          + ", ".join(f"{n}: {r:.2f}x" for n, r in zip(sizes, ratios))
+          + f"; worst {worst:.2f}x (target >= 0.3x): {'OK' if worst >= 0.3 else 'BELOW TARGET'}"
+          + (f", met from {min(n for n, r in zip(sizes, ratios) if r >= 0.3)} samples on" if worst < 0.3 <= max(ratios) else "")
+          + "; 1->2 core speed-ups: " + ", ".join(f"{n}: {x:.2f}x" for n, x in speedups) + " (noisy on a shared machine)")
+    if len(runs) >= 2:
+        fixed, per_sample = _fit([(n, wall) for n, wall, _ in runs])
+        raw_per_sample = sum(raw for _, _, raw in runs) / sum(n for n, _, _ in runs)
+        print(f"RESULT fitted over the sizes on 1 core: a run's fixed {fixed:.1f}s (Snakemake's start and DAG, the jobs' "
+              f"starts), then {per_sample * 1e3:.3f} ms per sample = {raw_per_sample / per_sample:.2f}x raw tiktoken per core "
+              f"(what the ratio tends to as the dataset grows)")
     return 0
+
+
+def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares ``y = a + b x`` over ``points``: (a, b)."""
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    var = sum((x - mx) ** 2 for x, _ in points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / var if var else 0.0
+    return my - slope * mx, slope
 
 
 CHILD_COUNT = r"""
