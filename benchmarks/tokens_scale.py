@@ -14,7 +14,8 @@ in a copy of the repository, imported as datasets: `snakemake --cores 1` then, f
 tiktoken (and of the token_shard jobs alone, with a fit of their seconds over their rows: a job's
 start and the cost per sample), and peak memory per job of every rule (the peak each job logs, the
 larger of the two runs'); then
-`snakemake -n` when up to date. The recorded samples are short (about 145 tokens, prompt and
+`snakemake -n` when up to date; and over the sizes, a fit of the 1-core wall time (a run's fixed cost, then
+the cost per sample: the ratio to raw tiktoken a larger dataset tends to). The recorded samples are short (about 145 tokens, prompt and
 completion); --drafter runs the same on drafter-shaped samples (about 2,850 tokens: the recorded
 requests made unique, answered by the stand-in with 2,500-3,500 completion tokens, half streamed),
 the size public K2.5 drafters were trained on, where a job's start weighs what it does in real use. --dry-shards N
