@@ -1,13 +1,8 @@
 """Snakemake entry for rule `tokens` (plumbing only; logic in eagledata.tokens.pershard). The body runs
 only as the main module: the judging workers (spawned processes) import this file again."""
 import logging
-import os
 import sys
 from pathlib import Path
-
-# polars' allocator (jemalloc) gives freed pages back after 0.1 s rather than 10 s: this job reads and judges
-# one shard after another, and its peak then follows the shard it holds rather than what earlier ones left
-os.environ.setdefault("_RJEM_MALLOC_CONF", "dirty_decay_ms:100,muzzy_decay_ms:0")
 
 from eagledata.codeinputs import verify_loaded_code
 from eagledata.config import dataset_settings, load_model_tokenizer
