@@ -298,10 +298,10 @@ def pipeline(sizes: list[int], work: Path, shard_size: int = 1000, two_cores: bo
     print(f"RESULT tokens stage per core / raw tiktoken: "
           + ", ".join(f"{n}: {r:.2f}x" for n, r in zip(sizes, ratios))
           + f"; worst {worst:.2f}x (target >= 0.3x): {'OK' if worst >= 0.3 else 'BELOW TARGET'}"
-          + (f", met from {min(n for n, r in zip(sizes, ratios) if r >= 0.3)} samples on" if worst < 0.3 <= max(ratios) else "")
+          + (", met at " + ", ".join(str(n) for n, r in zip(sizes, ratios) if r >= 0.3) if worst < 0.3 <= max(ratios) else "")
           + "; 1->2 core speed-ups: " + ", ".join(f"{n}: {x:.2f}x" for n, x in speedups) + " (noisy on a shared machine)")
-    if len(runs) >= 2:
-        fixed, per_sample = _fit([(n, wall) for n, wall, _ in runs])
+    fixed, per_sample = _fit([(n, wall) for n, wall, _ in runs]) if len({n for n, _, _ in runs}) >= 2 else (0.0, 0.0)
+    if per_sample > 0:
         raw_per_sample = sum(raw for _, _, raw in runs) / sum(n for n, _, _ in runs)
         print(f"RESULT fitted over the sizes on 1 core: a run's fixed {fixed:.1f}s (Snakemake's start and DAG, the jobs' "
               f"starts), then {per_sample * 1e3:.3f} ms per sample = {raw_per_sample / per_sample:.2f}x raw tiktoken per core "

@@ -131,6 +131,27 @@ def test_what_is_not_a_plain_conversation_goes_to_jinja(tok):
         assert render([odd], None, True, None, {}) is None
     assert render([{"role": "user", "content": "x"}], None, True, None, {"other": 1}) is None
 
+    class Text(str):
+        pass
+
+    call = [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"arguments": Text('{"a": 1}')}}]}]
+    assert render(call, None, True, None, {}) is None
+    assert chat.render_chat(tok.chat_template, call) == chat.render_jinja(tok.chat_template, call, None, True, None, {})
+    assert '<|tool_call_argument_begin|>{"a": 1}<|tool_call_end|>' in chat.render_chat(tok.chat_template, call)
+
+
+def test_a_conversation_longer_than_the_sandbox_ranges_goes_to_jinja(tok):
+    """The thinking templates walk the messages with range(), which Jinja's sandbox refuses past MAX_RANGE
+    items: such a conversation fails there, and the renderer leaves it to Jinja."""
+    from jinja2.sandbox import MAX_RANGE
+
+    messages = [{"role": "user", "content": "x"}] * (MAX_RANGE + 1)
+    got, want = both(tok, messages, None, True, None)
+    if "range(" in tok.chat_template:
+        assert got is None and isinstance(want, Exception)
+    else:
+        assert got == want
+
 
 def test_a_changed_template_renders_through_jinja():
     tok = load_tokenizer(SHARED / "tokenizers" / "kimi-k2-instruct", get_family("kimi-k2"))

@@ -154,7 +154,7 @@ def test_a_job_reads_its_arguments_in_any_order_and_refuses_any_other(capsys):
     argv = [a for name in reversed(JOB_FIELDS) for a in (f"--{name}", job[name])]
     assert job_arguments(argv) == job
     for wrong in (argv[:-2], argv + ["--log", "again"], argv + ["--extra"], ["--slice"], ["slice", "s"] + argv,
-                  [argv[0], argv[1], argv[0], argv[1]] + argv[2:]):
+                  [argv[0], argv[1], argv[0], argv[1]] + argv[2:], ["--slice"] + argv[2:], [f"{argv[0]}={argv[1]}"] + argv[2:]):
         with pytest.raises(SystemExit) as ended:
             job_arguments(wrong)
         assert ended.value.code == 2

@@ -30,6 +30,8 @@ import json
 import logging
 from typing import Any, Callable, Mapping, Sequence
 
+from jinja2.sandbox import MAX_RANGE
+
 log = logging.getLogger(__name__)
 
 #: a renderer: (messages, tools, add_generation_prompt, thinking, extra template variables) -> the prompt
@@ -65,6 +67,9 @@ def _plain(messages: Sequence[Any]) -> bool:
                 function = call.get("function")
                 if type(function) is not dict or "arguments" not in function:
                     return False
+                arguments = function["arguments"]
+                if isinstance(arguments, str) and type(arguments) is not str:
+                    return False  # (a str subclass: the template's `is string` and str() are Jinja's to apply)
     return True
 
 
@@ -130,8 +135,8 @@ def _thinking_family(declares_typescript: bool, default_system: bool, thinking_s
 
     def render(messages: Sequence[Any], tools: Any, add_generation_prompt: bool, thinking: Any,
                extra: Mapping[str, Any]) -> str | None:
-        if not THINKING_VARIABLES.issuperset(extra) or not _plain(messages):
-            return None
+        if not THINKING_VARIABLES.issuperset(extra) or len(messages) > MAX_RANGE or not _plain(messages):
+            return None  # (the sandbox's range() refuses more than MAX_RANGE items: Jinja's error then)
         no_thinking = thinking_switch and thinking is False  # thinking is defined and thinking is false
         last = -1
         for idx in range(len(messages) - 1, -1, -1):
@@ -185,6 +190,7 @@ RENDERERS: dict[str, Renderer] = {
 
 
 def template_digest(template: str) -> str:
+    """The SHA-256 (hex) of a template's text: the key of :data:`RENDERERS`."""
     return hashlib.sha256(template.encode("utf-8")).hexdigest()
 
 

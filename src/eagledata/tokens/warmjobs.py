@@ -11,8 +11,8 @@ outputs are a function of its inputs only (what stays in a worker between jobs i
 and caches of pure functions), so a job run in a worker writes the bytes a fresh process writes (tested).
 
 How a job finds one (:func:`main`, called by ``scripts/token_shard.py`` before any heavy import; this module
-imports only modules built into the interpreter, about 0.011 s a job in all with the interpreter's own start,
-0.01 s: the worker's side is
+imports only the standard library's C cores of json, socket and hashlib, about 0.011 s a job in all with the
+interpreter's own start, 0.01 s: the worker's side is
 :mod:`eagledata.tokens.warmworker`):
 
 - Workers are keyed by what decides the code and tokenizer they hold: the interpreter, ``PYTHONPATH``,
@@ -49,8 +49,9 @@ import stat
 import sys
 import time
 
-# A job's side imports only modules built into the interpreter where it can: json, socket, hashlib,
-# argparse and typing took about 0.017 s of a job's start, more than half of it (the interpreter 0.01 s).
+# A job's side imports only the C cores of the standard library's json, socket and hashlib where it can:
+# those modules, argparse and typing took about 0.017 s of a job's start, more than half of it (the
+# interpreter 0.01 s).
 # _json's encoder and scanner are the ones json.dumps and json.loads run; _socket is the socket type
 # socket.socket wraps; the standard modules are the fallback.
 try:
@@ -84,10 +85,12 @@ JOB_FIELDS = ("slice", "stamp", "part", "summary", "log")
 
 def job_arguments(argv: Sequence[str]) -> dict[str, str]:
     """The job's fields from its command line, ``--FIELD VALUE`` for each of :data:`JOB_FIELDS` (any
-    order, each once); anything else prints the usage and exits with status 2 (as argparse would)."""
+    order, each once, no value starting ``--``); anything else prints the usage and exits with status 2
+    (as argparse would)."""
     job: dict[str, str] = {}
     args = list(argv)
-    while len(args) >= 2 and args[0].startswith("--") and args[0][2:] in JOB_FIELDS and args[0][2:] not in job:
+    while len(args) >= 2 and args[0][2:] in JOB_FIELDS and args[0].startswith("--") and args[0][2:] not in job \
+            and not args[1].startswith("--"):
         name, value = args[0][2:], args[1]
         job[name] = value
         del args[:2]
