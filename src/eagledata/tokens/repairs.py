@@ -205,12 +205,11 @@ def _variants(transform: str) -> tuple[str, ...]:
     return WHITESPACE_PREFIXES if transform.startswith("whitespace_restored") else ("",)
 
 
-def apply_transforms(parsed: ParsedResponse, transforms: tuple[str, ...],
-                     prefixes: Mapping[str, str] | None = None,
-                     respaced: Sequence[str | None] | None = None) -> ParsedResponse:
+def apply_transforms(parsed: ParsedResponse, transforms: tuple[str, ...], prefixes: Mapping[str, str] | None,
+                     respaced: Sequence[str | None]) -> ParsedResponse:
     """``parsed`` with the inverse transformations applied; ``prefixes`` gives the whitespace put
     back per whitespace transform (default one space); ``respaced``: each tool call's
-    :func:`_respaced` arguments where known."""
+    :func:`_respaced` arguments (:attr:`SampleCandidates.respaced`)."""
     prefixes = prefixes or {}
     p = replace(parsed, tool_calls=list(parsed.tool_calls))
     if WHITESPACE_REASONING in transforms:
@@ -218,8 +217,7 @@ def apply_transforms(parsed: ParsedResponse, transforms: tuple[str, ...],
     if WHITESPACE_CONTENT in transforms:
         p.content = prefixes.get(WHITESPACE_CONTENT, " ") + (p.content or "")
     if ARGUMENTS_RESPACED in transforms:
-        spaced = respaced if respaced is not None else [_respaced(c.arguments) for c in p.tool_calls]
-        p.tool_calls = [replace(c, arguments=r or c.arguments) for c, r in zip(p.tool_calls, spaced)]
+        p.tool_calls = [replace(c, arguments=r or c.arguments) for c, r in zip(p.tool_calls, respaced)]
     return p
 
 
