@@ -146,8 +146,11 @@ def test_a_slice_names_its_records_and_refuses_one_changed_after_the_plan(tmp_pa
 @needs_recorded
 def test_plan_sorted_in_runs_on_disk_is_the_plan_sorted_in_memory(tmp_path, monkeypatch):
     """Ids sorted in runs of 7 on disk and merged give the same plan and slices, byte for byte, as one
-    sort in memory, and leave no run file behind."""
+    sort in memory, and leave no run file behind; also ids a run file must escape (a tab, a line break,
+    quotes, non-ASCII)."""
     records = _records(200)
+    for i, odd in enumerate(["rec-00010\tx", "rec-00020\ny", 'rec-00030"\\', "rec-00040-é中🙂"]):
+        records[i * 37]["id"] = odd
     src = tmp_path / "responses.jsonl"
     _write(src, records[::-1])
     one = ps.plan_shards(src, tmp_path / "one.json", tmp_path / "one" / "slices", "ds", 10)
@@ -191,15 +194,19 @@ def test_plan_read_in_parallel_ranges_is_the_plan_read_in_one_process(tmp_path, 
 
 
 @needs_recorded
-@pytest.mark.parametrize("bad_line", [2, 119])
-def test_parallel_plan_refuses_a_bad_record_as_one_process_does(tmp_path, monkeypatch, bad_line):
+@pytest.mark.parametrize("bad_line,bad", [(2, "cut"), (119, "cut"), (2, "id"), (119, "id")])
+def test_parallel_plan_refuses_a_bad_record_as_one_process_does(tmp_path, monkeypatch, bad_line, bad):
     """The first bad record in file order, whichever range it falls in, is refused with the one-process
-    message and its global line number."""
+    message and its global line number: a line that is no JSON, an id that is no Unicode text (a lone
+    surrogate: it has no UTF-8 bytes to shard it by)."""
     from eagledata.tokens import planfile
     records = _records(120)
     src = tmp_path / "responses.jsonl"
     lines = [json.dumps(r) for r in records]
-    lines[bad_line - 1] = lines[bad_line - 1][:-3]  # cut: not JSON
+    if bad == "cut":
+        lines[bad_line - 1] = lines[bad_line - 1][:-3]  # not JSON
+    else:
+        lines[bad_line - 1] = json.dumps(dict(records[bad_line - 1], id="rec-\ud800"))  # (json writes it escaped)
     lines[min(bad_line + 30, 119)] = json.dumps({"id": "x", "response_raw": ""})  # a later bad record: not reported
     src.write_text("\n".join(lines) + "\n", encoding="utf-8")
     with pytest.raises(ps.ResponsesFileError) as one:
@@ -207,7 +214,8 @@ def test_parallel_plan_refuses_a_bad_record_as_one_process_does(tmp_path, monkey
     monkeypatch.setattr(planfile, "MIN_BYTES_PER_PROCESS", 1)
     with pytest.raises(ps.ResponsesFileError) as parallel:
         ps.plan_shards(src, tmp_path / "plan.json", tmp_path / "slices", "ds", 10, workers=2)
-    assert str(parallel.value) == str(one.value) and str(one.value).startswith(f"{src}:{bad_line}:(json): invalid JSON")
+    expected = f"{src}:{bad_line}:(json): invalid JSON" if bad == "cut" else f"{src}:{bad_line}:id: a lone surrogate"
+    assert str(parallel.value) == str(one.value) and str(one.value).startswith(expected)
 
 
 @needs_recorded

@@ -61,6 +61,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
 
+import orjson
 import polars as pl
 
 if TYPE_CHECKING:
@@ -192,7 +193,7 @@ def _sorted_id_runs(responses_path: str | Path, dataset: str, tmp: Path, workers
 def _spill(entries: list[Entry], path: Path) -> Path:
     with open(path, "w", encoding="utf-8") as fh:
         for sid, *rest in entries:
-            fh.write("\t".join([json.dumps(sid), *map(str, rest)]) + "\n")
+            fh.write("\t".join([orjson.dumps(sid).decode("utf-8"), *map(str, rest)]) + "\n")  # (read: loads_json)
     return path
 
 
@@ -203,7 +204,7 @@ def _read_run(run) -> Iterator[Entry]:
     with open(run, encoding="utf-8") as fh:
         for line in fh:
             sid, lineno, offset, length, sha = line.rstrip("\n").split("\t")
-            yield json.loads(sid), int(lineno), int(offset), int(length), sha
+            yield loads_json(sid), int(lineno), int(offset), int(length), sha
 
 
 def _merged(runs: list) -> Iterator[Entry]:
@@ -434,34 +435,42 @@ def part_stats(df: pl.DataFrame) -> list[SampleStats]:
 
 def learn_summaries(summary_paths: Sequence[str | Path], out_path: str | Path,
                     tokenizer_fingerprint: str | None = None) -> dict[str, Any]:
-    """The dataset's conventions from its shards' summaries (nothing else is read). With
-    ``tokenizer_fingerprint``, every shard must have been reconstructed with that tokenizer
-    (:func:`refuse_stale_parts`)."""
-    loaded = [(Path(p), json.loads(Path(p).read_text(encoding="utf-8"))) for p in summary_paths]
-    if tokenizer_fingerprint is not None:
-        refuse_stale_parts(loaded, tokenizer_fingerprint)
-    merged = summaries.merge(s for _, s in loaded)
+    """The dataset's conventions from its shards' summaries (nothing else is read), merged as they are
+    read: one summary in memory at a time (about 20 KB each as Python objects; a 2M-sample dataset has
+    2,000). With ``tokenizer_fingerprint``, every shard must have been reconstructed with that
+    tokenizer (:func:`refuse_stale_parts`)."""
+    stale: list[tuple[Path, str | None]] = []
+
+    def current() -> Iterator[Mapping[str, Any]]:
+        for p in summary_paths:
+            summary = json.loads(Path(p).read_text(encoding="utf-8"))
+            if tokenizer_fingerprint is None or summary.get("tokenizer_fingerprint") == tokenizer_fingerprint:
+                yield summary
+            else:  # (refused once all are read, with the others the error names)
+                stale.append((Path(p), summary.get("tokenizer_fingerprint")))
+
+    merged = summaries.merge(current())
+    if stale:
+        refuse_stale_parts(stale, len(summary_paths), tokenizer_fingerprint or "")
     conventions, reliability, variants = summaries.learn(merged)
     learned = {"rows": merged["rows"], "conventions": conventions, "reliability": reliability, "variants": variants}
     atomic_write_json(out_path, learned)
     return learned
 
 
-def refuse_stale_parts(loaded: Sequence[tuple[Path, Mapping[str, Any]]], fingerprint: str) -> None:
-    """Raise :class:`StageError` when a shard's summary (``(path, summary)`` pairs) records another
-    tokenizer fingerprint than ``fingerprint`` (the dataset's tokenizer as the gathering job loads
-    it), or none. The stage stamp reruns every shard when the tokenizer's files or settings change;
-    this catches what it cannot see (a hub id whose files were updated, a library upgrade that
+def refuse_stale_parts(stale: Sequence[tuple[Path, str | None]], shards: int, fingerprint: str) -> None:
+    """Raise :class:`StageError` for the shards whose summary records another tokenizer fingerprint
+    than ``fingerprint`` (the dataset's tokenizer as the gathering job loads it), or none (``stale``:
+    (summary path, its fingerprint) pairs, of ``shards`` in all). The stage stamp reruns every shard
+    when the tokenizer's files or settings change; this catches what it cannot see (a hub id whose files were updated, a library upgrade that
     changes what a tokenizer loads), which would otherwise mix two tokenizers' ids in one dataset."""
-    stale = [(path, summary.get("tokenizer_fingerprint")) for path, summary in loaded
-             if summary.get("tokenizer_fingerprint") != fingerprint]
     if not stale:
         return
     shown = "; ".join(f"{path.name.removesuffix('.summary.json')} ({(fp or 'not recorded')[:16]})" for path, fp in stale[:5])
     more = f" and {len(stale) - 5} more" if len(stale) > 5 else ""
     parts = stale[0][0].parent
     raise StageError(
-        f"{parts}: {len(stale)} of {len(loaded)} shards were reconstructed with another tokenizer than the "
+        f"{parts}: {len(stale)} of {shards} shards were reconstructed with another tokenizer than the "
         f"dataset's as loaded now ({fingerprint[:16]}): {shown}{more}. The tokenizer changed in a way the "
         "workflow does not track (a hub id's files updated, a library upgrade), so gathering them would mix "
         f"two tokenizers' ids. Remove their parts (rm {parts}/<shard>.parquet {parts}/<shard>.summary.json) "
