@@ -24,15 +24,16 @@ read gives (the same text, the same global line). Processes are spawned, not for
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Iterator
 
+import orjson
 import xxhash
 
 from eagledata.codeinputs import verify_inherited_code
-from eagledata.io import BLANK_LINE, ResponsesFileError, iter_lines_at, json_line_value, line_digest, open_lines
+from eagledata.io import (BLANK_LINE, ResponsesFileError, iter_lines_at, json_line_value, line_digest, loads_json,
+                          open_lines)
 from eagledata.tokens.planfile import plan_processes
 from eagledata.tokens.sharedwork import shared_map, spawned_pool
 from eagledata.tokens.samples import record_id
@@ -93,7 +94,7 @@ class RecordScan:
                 for row in fh:
                     sid, lineno, offset, length, sha = row.rstrip("\n").split("\t")
                     line = base + int(lineno)
-                    yield self._with_id((json.loads(sid), line, int(offset), int(length), sha), line)
+                    yield self._with_id((loads_json(sid), line, int(offset), int(length), sha), line)
             out.unlink()
 
     def _with_id(self, entry: tuple, line: int) -> Entry:
@@ -120,7 +121,7 @@ def scan_range(path: str, start: int, end: int, out: str) -> tuple[int, tuple[in
                 return lines, (lines, str(exc))
             if entry is not None:
                 sid, lineno, offset, length, sha = entry
-                fh.write(f"{json.dumps(sid)}\t{lineno}\t{offset}\t{length}\t{sha}\n")
+                fh.write(f"{orjson.dumps(sid).decode('utf-8')}\t{lineno}\t{offset}\t{length}\t{sha}\n")
     return lines, None
 
 
