@@ -9,7 +9,7 @@ read gives anyway, where a digest of the whole file's bytes cost a second read o
 gives those:
 
 - in one pass in this process for a small file (or ``workers=1``);
-- else in up to ``workers`` processes (one per 64 MB: :func:`~eagledata.tokens.planfile.plan_processes`):
+- else in up to ``workers`` processes (one per 512 MB: :func:`~eagledata.tokens.planfile.plan_processes`):
   this one and spawned helpers, each reading byte ranges of the file (cut at line starts, a few per
   process, shared out as the processes come to them: :func:`~eagledata.tokens.sharedwork.shared_map`)
   and writing those fields to a scratch file per range. The scratch files are then read in file
