@@ -83,7 +83,7 @@ from eagledata.tokens.policy import resolve_policy
 from eagledata.tokens.responses import ParsedResponse
 from eagledata.tokens.samples import parse_record
 from eagledata.tokens.shards import (PASS1_SCHEMA, MAX_SHARD_FACTOR, Judge, ResponsesFileError, checked_record, is_boundary_id,
-                                     Learned, proven_repairs, prune_shards, publish_shard, reconstruct_sample, transformations_seen, with_verdicts,
+                                     Learned, proven_repairs, prune_shards, publish_shard, reconstruct_sample, transformations_seen, VerdictColumns,
                                      shard_name, few_distinct_lists)
 
 log = logging.getLogger(__name__)
@@ -523,19 +523,20 @@ def judge_shard(part_path: str | Path, learned: Mapping[str, Any], store_dir: st
     known = {p: set(ts) for p, ts in learned["repairs"].items()}
     admitted = resolve_policy(policy)
     part = pl.read_parquet(part_path)
-    frames, seen = [], {}
-    for start in range(0, max(part.height, 1), BATCH_ROWS):
+    verdicts, seen = VerdictColumns(learned["variants"], admitted), {}
+    for start in range(0, part.height, BATCH_ROWS):
         chunk = part.slice(start, BATCH_ROWS)
         stats = part_stats(chunk)
         judged = judge.first_verdicts(stats)
 
         judge.apply_repairs(stats, judged, _segment_rows(chunk), known)
         judge.ambiguity_check(stats, judged, _segment_rows(chunk), known)
-        frames.append(with_verdicts(chunk.drop(list(_STATS_SCHEMA)), stats, judged, 0, learned["variants"], admitted))
+        verdicts.add(stats, judged)
         _add_counts(seen, transformations_seen(stats, judged))
-    del part
-    df = pl.concat(frames).rechunk()
-    del frames
+    # (the verdict columns put on the whole part at once: per batch, polars' calls and the batches' frames
+    # gathered again cost more than the judging of a short sample)
+    df = verdicts.on(part.drop(list(_STATS_SCHEMA))).rechunk()
+    del part, verdicts
     # the ids cast to the final shard's 64 bits once gathered (the 32-bit chunks and their gathered copy
     # held together, not the 64-bit ones: the job's peak follows the largest shard's ids)
     df = df.with_columns(pl.col("input_ids").cast(PASS1_SCHEMA["input_ids"]))

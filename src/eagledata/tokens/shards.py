@@ -318,42 +318,68 @@ def reconstruct_sample(rec: dict[str, Any], sid: str, tokenizer: Tokenizer, fami
 
 def with_verdicts(df: pl.DataFrame, stats: Sequence[SampleStats], judged: Sequence["Judgement"], start: int,
                    variants: Mapping[str, Any], admitted: Policy) -> pl.DataFrame:
-    """A scratch part with its verdict columns (its first row is sample ``start`` of ``stats``/``judged``).
-    A prompt the billed count cannot prove (``unproven``: the tools' key order, given the provider's
-    learned ``variants``) adds ``prompt_order_unproven`` to the sample's reasons and joint verdict."""
-    cols: dict[str, list] = {k: [] for k in ("completion_diff", "prompt_diff", "verdict", "completion_verdict",
-                                             "prompt_verdict", "prompt_variant", "reasons", "train", "repair")}
-    repaired = {}
-    for row in range(df.height):
-        st, j = stats[start + row], judged[start + row]
-        if j.repair is not None and j.repair.chosen is not None:
-            repaired[row] = (st, j.repair.chosen)
-        cols["completion_diff"].append(j.completion_diff)
-        cols["prompt_diff"].append(st.prompt_diff)
-        c_verdict = completion_verdict(j.reasons)
-        p_verdict = prompt_verdict(st, provider_sorts_tool_keys(variants, st.provider), request_order_explains(variants, st))
-        if p_verdict == "unproven" and "prompt_order_unproven" not in j.reasons:  # the joint verdict: not proven
-            j.reasons.append("prompt_order_unproven")
-            j.verdict = verdict_of(j.reasons)
-        cols["verdict"].append(j.verdict)
-        cols["completion_verdict"].append(c_verdict)
-        cols["prompt_verdict"].append(p_verdict)
-        cols["prompt_variant"].append(sample_variant(variants, st))
-        cols["reasons"].append(j.reasons)
-        cols["train"].append(admitted.admits(c_verdict, p_verdict))
-        cols["repair"].append(json.dumps(j.evidence) if j.evidence else None)
-    return df.with_columns(
-        *_repaired_columns(df, repaired),
-        pl.Series("completion_diff", cols["completion_diff"], dtype=pl.Int64),
-        pl.Series("prompt_diff", cols["prompt_diff"], dtype=pl.Int64),
-        pl.Series("verdict", cols["verdict"], dtype=pl.Utf8),
-        pl.Series("completion_verdict", cols["completion_verdict"], dtype=pl.Utf8),
-        pl.Series("prompt_verdict", cols["prompt_verdict"], dtype=pl.Utf8),
-        pl.Series("prompt_variant", cols["prompt_variant"], dtype=pl.Utf8),
-        few_distinct_lists("reasons", cols["reasons"]),
-        pl.Series("train", cols["train"], dtype=pl.Boolean),
-        pl.Series("repair", cols["repair"], dtype=pl.Utf8),
-    )
+    """A scratch part with its verdict columns (its first row is sample ``start`` of ``stats``/``judged``):
+    :class:`VerdictColumns` of its rows, put on it."""
+    columns = VerdictColumns(variants, admitted)
+    columns.add(stats[start:start + df.height], judged[start:start + df.height])
+    return columns.on(df)
+
+
+class VerdictColumns:
+    """A shard's verdict columns, gathered batch by batch (:meth:`add`, in row order) and put on the
+    shard's frame once (:meth:`on`): what a sample's stats and judgement decide, a few small values a
+    row, and the rows a chosen repair replaces. A prompt the billed count cannot prove (``unproven``: the
+    tools' key order, given the provider's learned ``variants``) adds ``prompt_order_unproven`` to the
+    sample's reasons and joint verdict (its judgement is changed as it is added)."""
+
+    NAMES = ("completion_diff", "prompt_diff", "verdict", "completion_verdict", "prompt_verdict", "prompt_variant",
+             "reasons", "train", "repair")
+
+    def __init__(self, variants: Mapping[str, Any], admitted: Policy) -> None:
+        self.variants, self.admitted = variants, admitted
+        self.cols: dict[str, list] = {k: [] for k in self.NAMES}
+        self.repaired: dict[int, tuple[SampleStats, Any]] = {}
+        self.rows = 0
+
+    def add(self, stats: Sequence[SampleStats], judged: Sequence["Judgement"]) -> None:
+        """The next rows: ``stats[i]`` and ``judged[i]`` are row ``self.rows + i``'s."""
+        cols, variants = self.cols, self.variants
+        for st, j in zip(stats, judged):
+            if j.repair is not None and j.repair.chosen is not None:
+                self.repaired[self.rows] = (st, j.repair.chosen)
+            self.rows += 1
+            cols["completion_diff"].append(j.completion_diff)
+            cols["prompt_diff"].append(st.prompt_diff)
+            c_verdict = completion_verdict(j.reasons)
+            p_verdict = prompt_verdict(st, provider_sorts_tool_keys(variants, st.provider), request_order_explains(variants, st))
+            if p_verdict == "unproven" and "prompt_order_unproven" not in j.reasons:  # the joint verdict: not proven
+                j.reasons.append("prompt_order_unproven")
+                j.verdict = verdict_of(j.reasons)
+            cols["verdict"].append(j.verdict)
+            cols["completion_verdict"].append(c_verdict)
+            cols["prompt_verdict"].append(p_verdict)
+            cols["prompt_variant"].append(sample_variant(variants, st))
+            cols["reasons"].append(j.reasons)
+            cols["train"].append(self.admitted.admits(c_verdict, p_verdict))
+            cols["repair"].append(json.dumps(j.evidence) if j.evidence else None)
+
+    def on(self, df: pl.DataFrame) -> pl.DataFrame:
+        """``df`` (the rows added, in order) with the verdict columns and the repaired rows' values."""
+        if df.height != self.rows:
+            raise ValueError(f"verdicts of {self.rows} rows put on a frame of {df.height}")
+        cols = self.cols
+        return df.with_columns(
+            *_repaired_columns(df, self.repaired),
+            pl.Series("completion_diff", cols["completion_diff"], dtype=pl.Int64),
+            pl.Series("prompt_diff", cols["prompt_diff"], dtype=pl.Int64),
+            pl.Series("verdict", cols["verdict"], dtype=pl.Utf8),
+            pl.Series("completion_verdict", cols["completion_verdict"], dtype=pl.Utf8),
+            pl.Series("prompt_verdict", cols["prompt_verdict"], dtype=pl.Utf8),
+            pl.Series("prompt_variant", cols["prompt_variant"], dtype=pl.Utf8),
+            few_distinct_lists("reasons", cols["reasons"]),
+            pl.Series("train", cols["train"], dtype=pl.Boolean),
+            pl.Series("repair", cols["repair"], dtype=pl.Utf8),
+        )
 
 
 def few_distinct_lists(name: str, lists: Sequence[Sequence[str]]) -> pl.Series:
