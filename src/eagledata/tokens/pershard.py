@@ -462,8 +462,9 @@ def refuse_stale_parts(stale: Sequence[tuple[Path, str | None]], shards: int, fi
     """Raise :class:`StageError` for the shards whose summary records another tokenizer fingerprint
     than ``fingerprint`` (the dataset's tokenizer as the gathering job loads it), or none (``stale``:
     (summary path, its fingerprint) pairs, of ``shards`` in all). The stage stamp reruns every shard
-    when the tokenizer's files or settings change; this catches what it cannot see (a hub id whose files were updated, a library upgrade that
-    changes what a tokenizer loads), which would otherwise mix two tokenizers' ids in one dataset."""
+    when the tokenizer's files or settings change; this catches what it cannot see (a hub id whose
+    files were updated, a library upgrade that changes what a tokenizer loads), which would otherwise
+    mix two tokenizers' ids in one dataset."""
     if not stale:
         return
     shown = "; ".join(f"{path.name.removesuffix('.summary.json')} ({(fp or 'not recorded')[:16]})" for path, fp in stale[:5])
@@ -537,8 +538,8 @@ def judge_shard(part_path: str | Path, learned: Mapping[str, Any], store_dir: st
     # gathered again cost more than the judging of a short sample)
     df = verdicts.on(part.drop(list(_STATS_SCHEMA))).rechunk()
     del part, verdicts
-    # the ids cast to the final shard's 64 bits once gathered (the 32-bit chunks and their gathered copy
-    # held together, not the 64-bit ones: the job's peak follows the largest shard's ids)
+    # the ids cast to the final shard's 64 bits last (the 32-bit ones and the 64-bit ones are held together
+    # only while cast: the job's peak follows the largest shard's ids)
     df = df.with_columns(pl.col("input_ids").cast(PASS1_SCHEMA["input_ids"]))
     store = Path(store_dir)
     store.mkdir(parents=True, exist_ok=True)
