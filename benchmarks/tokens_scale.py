@@ -12,8 +12,9 @@ With --pipeline, the same datasets go through the workflow's per-shard tokens jo
 in a copy of the repository, imported as datasets: `snakemake --cores 1` then, from scratch,
 `--cores 2`, printing per size the wall time of each, the speed-up, tokens/s per core against raw
 tiktoken (and of the token_shard jobs alone, with a fit of their seconds over their rows: a job's
-start and the cost per sample), and peak memory per job of every rule (the peak each job logs, the
-larger of the two runs'); then
+start and the cost per sample), what 2 cores speed up (the stretch the token_shard jobs share the cores
+in, from their logs' times, and the rest of the run), and peak memory per job of every rule (the peak
+each job logs, the larger of the two runs'); then
 `snakemake -n` when up to date; and over the sizes, a fit of the 1-core wall time (a run's fixed cost, then
 the cost per sample: the ratio to raw tiktoken a larger dataset tends to). The recorded samples are short (about 145 tokens, prompt and
 completion); --drafter runs the same on drafter-shaped samples (about 2,850 tokens: the recorded
@@ -210,6 +211,21 @@ def job_seconds(repo: Path, name: str, pattern: str) -> float:
     return total
 
 
+def shard_phase_wall(repo: Path, name: str) -> float:
+    """Seconds from the first token_shard job's first log line to the last one's last (the jobs log with
+    millisecond times): the part of the run the shard jobs share the cores in."""
+    stamps = []
+    for path in (repo / "logs" / name / "token_shard").glob("*.log"):
+        times = re.findall(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ", path.read_text(errors="replace"), re.M)
+        if times:
+            stamps += [times[0], times[-1]]
+    if not stamps:
+        return 0.0
+    first, last = (time.mktime(time.strptime(t[:19], "%Y-%m-%d %H:%M:%S")) + int(t[20:]) / 1000
+                   for t in (min(stamps), max(stamps)))
+    return last - first
+
+
 def shard_job_seconds(repo: Path, name: str) -> float:
     """Wall seconds of every token_shard job together, process start included."""
     return job_seconds(repo, name, "token_shard/*.tsv")
@@ -247,11 +263,12 @@ def pipeline(sizes: list[int], work: Path, shard_size: int = 1000, two_cores: bo
         path = build_drafter_dataset(n, work) if drafter else build_dataset(n, work)
         name = f"{'drafter' if drafter else 'scale'}{n}"
         raw_rate = raw_tiktoken_rate(path, n)
-        walls, rss = {}, {}
+        walls, rss, shard_walls = {}, {}, {}
         for cores in (1, 2) if two_cores else (1,):
             repo = repo_copy(work / f"repo-{n}", {name: path}, shard_size)
             smk(repo, "--cores", "1", f"results/{name}/responses.jsonl")  # the import is not the tokens stage
             walls[cores] = smk(repo, "--cores", str(cores), f"results/{name}/tokens")
+            shard_walls[cores] = shard_phase_wall(repo, name)
             if cores == 1:
                 parts, phases = stage_parts(repo, name, walls[1]), shard_phases(repo, name)
             # each job's peak over both runs: on 1 core the tokens job judges every shard itself, on 2 its
@@ -284,6 +301,12 @@ def pipeline(sizes: list[int], work: Path, shard_size: int = 1000, two_cores: bo
         print(f"  where the 1-core time goes, in ms per sample: "
               + ", ".join(f"{k} {v * 1e3 / manifest['rows']:.2f}" for k, v in parts.items())
               + f"; raw tiktoken's encode of the same text {tokens['tokens'] / raw_rate * 1e3 / manifest['rows']:.2f}", flush=True)
+        if two_cores:
+            rest = {c: walls[c] - shard_walls[c] for c in (1, 2)}
+            print(f"  what 2 cores speed up: the token_shard jobs {shard_walls[1]:.1f}s -> {shard_walls[2]:.1f}s "
+                  f"({shard_walls[1] / shard_walls[2]:.2f}x, from the first job's start to the last one's end); the rest "
+                  f"(Snakemake's start, token_plan, tokens) {rest[1]:.1f}s -> {rest[2]:.1f}s "
+                  f"({rest[1] / rest[2]:.2f}x)", flush=True)
         print(f"  inside the token_shard jobs (as they log it), in ms per sample: "
               + ", ".join(f"{k} {v * 1e3 / manifest['rows']:.2f}" for k, v in phases.items())
               + "; the rest of their time is their starts", flush=True)
