@@ -1,10 +1,11 @@
-"""Snakemake entry for checkpoint `token_plan` (plumbing only; logic in eagledata.tokens.pershard). The body runs
+"""Snakemake entry for checkpoint `token_plan` (plumbing only; logic in eagledata.tokens.plan). The body runs
 only as the main module: the processes that read a large responses file (spawned) import this file again."""
 import logging
 import sys
 
 from eagledata.codeinputs import verify_loaded_code
-from eagledata.tokens.pershard import peak_memory_mb, plan_shards
+from eagledata.tokens.memory import peak_memory_mb
+from eagledata.tokens.plan import plan_shards
 
 if __name__ == "__main__":
     sm = snakemake  # noqa: F821 - injected by Snakemake

@@ -4,13 +4,13 @@ import logging
 import sys
 from pathlib import Path
 
-from eagledata.tokens.allocator import return_freed_pages_at_once
+from eagledata.tokens.memory import peak_memory_mb, return_freed_pages_at_once
 
 return_freed_pages_at_once()  # before polars is imported: this job holds one shard after another
 
 from eagledata.codeinputs import verify_loaded_code
 from eagledata.config import dataset_settings, load_model_tokenizer
-from eagledata.tokens.pershard import learn_and_judge, peak_memory_mb
+from eagledata.tokens.pershard import learn_and_judge
 
 if __name__ == "__main__":
     sm = snakemake  # noqa: F821 - injected by Snakemake

@@ -19,6 +19,7 @@ from eagledata.errors import StageError
 from eagledata.text.families import get_family
 from eagledata.text.tokenizer import load_tokenizer
 from eagledata.tokens import pershard as ps
+from eagledata.tokens import plan as tp
 from eagledata.tokens.shards import build_token_shards, is_boundary_id, read_shards
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +43,7 @@ def _lines_digest(path: Path) -> str:
 
 def run_pershard(src: Path, work: Path, tok, fam, shard_size: int, dataset: str = "ds", workers: int = 1) -> dict:
     """Every step of the per-shard stage in turn, as the rules run them."""
-    plan = ps.plan_shards(src, work / "plan.json", work / "slices", dataset, shard_size)
+    plan = tp.plan_shards(src, work / "plan.json", work / "slices", dataset, shard_size)
     keys = [s["key"] for s in plan["shards"]]
     paths = {k: ps.work_paths(work, k) for k in keys}
     for k in keys:
@@ -99,11 +100,11 @@ def test_slices_of_unchanged_shards_keep_bytes_and_mtime(tmp_path):
     records = _records(200)
     src = tmp_path / "responses.jsonl"
     _write(src, records)
-    plan = ps.plan_shards(src, tmp_path / "plan.json", tmp_path / "slices", "ds", 10)
+    plan = tp.plan_shards(src, tmp_path / "plan.json", tmp_path / "slices", "ds", 10)
     before = {p.name: (p.stat().st_mtime_ns, p.stat().st_ino) for p in (tmp_path / "slices").iterdir()}
     new = dict(records[3], id=_new_id(records, 10))
     _write(src, [new] + records[::-1])  # lines moved too: a shard follows ids, never lines
-    again = ps.plan_shards(src, tmp_path / "plan.json", tmp_path / "slices", "ds", 10)
+    again = tp.plan_shards(src, tmp_path / "plan.json", tmp_path / "slices", "ds", 10)
     after = {p.name: (p.stat().st_mtime_ns, p.stat().st_ino) for p in (tmp_path / "slices").iterdir()}
     assert again["slices_written"] == 1
     assert len(plan["shards"]) == len(again["shards"]) > 10
@@ -124,7 +125,7 @@ def test_a_slice_names_its_records_and_refuses_one_changed_after_the_plan(tmp_pa
     records = _records(30)
     src = tmp_path / "responses.jsonl"
     _write(src, records)
-    plan = ps.plan_shards(src, tmp_path / "plan.json", tmp_path / "slices", "ds", 10)
+    plan = tp.plan_shards(src, tmp_path / "plan.json", tmp_path / "slices", "ds", 10)
     key = plan["shards"][0]["key"]
     p = ps.work_paths(tmp_path, key)
     assert p["slice"].stat().st_size < 100 * plan["shards"][0]["rows"] < src.stat().st_size / 10
@@ -153,9 +154,9 @@ def test_plan_sorted_in_runs_on_disk_is_the_plan_sorted_in_memory(tmp_path, monk
         records[i * 37]["id"] = odd
     src = tmp_path / "responses.jsonl"
     _write(src, records[::-1])
-    one = ps.plan_shards(src, tmp_path / "one.json", tmp_path / "one" / "slices", "ds", 10)
-    monkeypatch.setattr(ps, "RUN_ROWS", 7)
-    runs = ps.plan_shards(src, tmp_path / "runs.json", tmp_path / "runs" / "slices", "ds", 10)
+    one = tp.plan_shards(src, tmp_path / "one.json", tmp_path / "one" / "slices", "ds", 10)
+    monkeypatch.setattr(tp, "RUN_ROWS", 7)
+    runs = tp.plan_shards(src, tmp_path / "runs.json", tmp_path / "runs" / "slices", "ds", 10)
     assert runs == one and len(one["shards"]) > 10 and one["rows"] == 200
     assert sum(s["rows"] for s in one["shards"]) == 200
     a, b = sorted((tmp_path / "one" / "slices").iterdir()), sorted((tmp_path / "runs" / "slices").iterdir())
@@ -175,11 +176,11 @@ def test_plan_read_in_parallel_ranges_is_the_plan_read_in_one_process(tmp_path, 
     src = tmp_path / "responses.jsonl"
     src.write_text("\n".join(json.dumps(r) + ("\r" if i % 9 == 0 else "") + ("\n" if i % 17 == 0 else "")
                              for i, r in enumerate(records)) + "\n", encoding="utf-8")
-    one = ps.plan_shards(src, tmp_path / "one.json", tmp_path / "one" / "slices", "ds", 10, workers=3)
+    one = tp.plan_shards(src, tmp_path / "one.json", tmp_path / "one" / "slices", "ds", 10, workers=3)
     monkeypatch.setattr(planfile, "MIN_BYTES_PER_PROCESS", 1)
-    monkeypatch.setattr(ps, "RUN_ROWS", 16)
-    with caplog.at_level("INFO", logger=ps.__name__):
-        three = ps.plan_shards(src, tmp_path / "three.json", tmp_path / "three" / "slices", "ds", 10, workers=3)
+    monkeypatch.setattr(tp, "RUN_ROWS", 16)
+    with caplog.at_level("INFO", logger=tp.__name__):
+        three = tp.plan_shards(src, tmp_path / "three.json", tmp_path / "three" / "slices", "ds", 10, workers=3)
     assert "120 records read in 3 process(es)" in caplog.text
     assert three == one and one["source_lines_xxh3_128"] == _lines_digest(src)
     lines = src.read_text(encoding="utf-8").split("\n")
@@ -210,10 +211,10 @@ def test_parallel_plan_refuses_a_bad_record_as_one_process_does(tmp_path, monkey
     lines[min(bad_line + 30, 119)] = json.dumps({"id": "x", "response_raw": ""})  # a later bad record: not reported
     src.write_text("\n".join(lines) + "\n", encoding="utf-8")
     with pytest.raises(ps.ResponsesFileError) as one:
-        ps.plan_shards(src, tmp_path / "plan.json", tmp_path / "slices", "ds", 10)
+        tp.plan_shards(src, tmp_path / "plan.json", tmp_path / "slices", "ds", 10)
     monkeypatch.setattr(planfile, "MIN_BYTES_PER_PROCESS", 1)
     with pytest.raises(ps.ResponsesFileError) as parallel:
-        ps.plan_shards(src, tmp_path / "plan.json", tmp_path / "slices", "ds", 10, workers=2)
+        tp.plan_shards(src, tmp_path / "plan.json", tmp_path / "slices", "ds", 10, workers=2)
     expected = f"{src}:{bad_line}:(json): invalid JSON" if bad == "cut" else f"{src}:{bad_line}:id: a lone surrogate"
     assert str(parallel.value) == str(one.value) and str(one.value).startswith(expected)
 
@@ -224,14 +225,14 @@ def test_plan_refuses_a_duplicate_id_as_the_one_job_stage_does(tmp_path, monkeyp
     """The plan (ids sorted in memory, or in runs on disk) names the line where an id first repeats,
     before any slice is written."""
     if run_rows:
-        monkeypatch.setattr(ps, "RUN_ROWS", run_rows)
+        monkeypatch.setattr(tp, "RUN_ROWS", run_rows)
     records = _records(40)
     records[25]["id"], records[31]["id"], records[33]["id"] = "rec-00007", "rec-00002", "rec-00007"
     src = tmp_path / "responses.jsonl"
     _write(src, records)
     fam = get_family("kimi-k2")
     with pytest.raises(ps.ResponsesFileError) as planned:
-        ps.plan_shards(src, tmp_path / "plan.json", tmp_path / "slices", "ds", 10)
+        tp.plan_shards(src, tmp_path / "plan.json", tmp_path / "slices", "ds", 10)
     with pytest.raises(ps.ResponsesFileError) as one_job:
         build_token_shards(src, tmp_path / "old", load_tokenizer(K2, fam), fam, "ds", shard_size=10)
     assert str(planned.value) == str(one_job.value) == f"{src}:26: field 'id': duplicate id 'rec-00007'"
@@ -266,7 +267,7 @@ def test_learning_reads_the_per_shard_summaries_only(tmp_path):
             assert learned["variants"][provider] == conv["prompt_rendering"]
     one_shard = tmp_path / "one"
     _write(src, _records(600))
-    big = ps.plan_shards(src, one_shard / "plan.json", one_shard / "slices", "ds", 100_000)
+    big = tp.plan_shards(src, one_shard / "plan.json", one_shard / "slices", "ds", 100_000)
     key = big["shards"][0]["key"]
     p = ps.work_paths(one_shard, key)
     ps.reconstruct_shard(p["slice"], p["where"], src, p["part"], p["summary"], tok, fam)
@@ -320,15 +321,15 @@ def test_the_records_digest_follows_the_records_not_the_order_of_the_lines(tmp_p
     records = _records(60)
     src = tmp_path / "responses.jsonl"
     _write(src, records)
-    plan = ps.plan_shards(src, tmp_path / "plan.json", tmp_path / "slices", "ds", 10)
+    plan = tp.plan_shards(src, tmp_path / "plan.json", tmp_path / "slices", "ds", 10)
     slices = b"".join((tmp_path / "slices" / f"{s['key']}.tsv").read_bytes() for s in plan["shards"])
     assert plan["source_records_sha256"] == hashlib.sha256(slices).hexdigest()
     _write(src, records[::-1])
-    moved = ps.plan_shards(src, tmp_path / "plan.json", tmp_path / "slices", "ds", 10)
+    moved = tp.plan_shards(src, tmp_path / "plan.json", tmp_path / "slices", "ds", 10)
     assert moved["source_lines_xxh3_128"] != plan["source_lines_xxh3_128"]
     assert moved["source_records_sha256"] == plan["source_records_sha256"] and moved["slices_written"] == 0
     _write(src, records[:-1] + [dict(records[-1], cost=123.0)])
-    changed = ps.plan_shards(src, tmp_path / "plan.json", tmp_path / "slices", "ds", 10)
+    changed = tp.plan_shards(src, tmp_path / "plan.json", tmp_path / "slices", "ds", 10)
     assert changed["source_records_sha256"] != plan["source_records_sha256"] and changed["slices_written"] == 1
 
 
@@ -486,7 +487,7 @@ def test_streams_read_by_the_compiled_core_give_the_parts_of_the_python_reading(
     src = tmp_path / "responses.jsonl"
     _write(src, records)
     assert sum(r["response_raw"].count("\n\n") >= 80 for r in records) >= 12  # templated streams
-    plan = ps.plan_shards(src, tmp_path / "plan.json", tmp_path / "slices", "ds", 1000)
+    plan = tp.plan_shards(src, tmp_path / "plan.json", tmp_path / "slices", "ds", 1000)
     key = plan["shards"][0]["key"]
     paths = ps.work_paths(tmp_path, key)
     parts = {}
@@ -576,7 +577,7 @@ def test_a_shard_job_logs_where_its_time_went(tmp_path, caplog):
     tok = load_tokenizer(K2, fam)
     src = tmp_path / "responses.jsonl"
     _write(src, _records(40))
-    plan = ps.plan_shards(src, tmp_path / "plan.json", tmp_path / "slices", "ds", 1000)
+    plan = tp.plan_shards(src, tmp_path / "plan.json", tmp_path / "slices", "ds", 1000)
     key = plan["shards"][0]["key"]
     paths = ps.work_paths(tmp_path, key)
     with caplog.at_level("INFO", logger="eagledata.tokens.pershard"):

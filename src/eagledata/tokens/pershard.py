@@ -4,7 +4,7 @@ samples, verdicts and shard files as :func:`eagledata.tokens.shards.build_token_
 Steps under ``results/{dataset}/tokens.work/``, in three jobs: the plan, one reconstruction per
 shard, and steps 3-5 together (:func:`learn_and_judge`, the ``tokens`` rule):
 
-1. :func:`plan_shards` (a checkpoint): streams the responses' ids (every record checked, as the
+1. :func:`~eagledata.tokens.plan.plan_shards` (a checkpoint; no polars in its job): streams the responses' ids (every record checked, as the
    one-job stage checks them), cuts them by the stable rule (:func:`~eagledata.tokens.shards.shard_groups`)
    and writes ``plan.json`` (shard key -> rows, first and last id; ``source_lines_xxh3_128``, a digest of the file's records
    as it holds them (:class:`~eagledata.tokens.planscan.RecordScan`), and
@@ -49,19 +49,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import hashlib
-import heapq
 import itertools
 import json
 import logging
 import os
-import resource
-import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
 
-import orjson
 import polars as pl
 
 if TYPE_CHECKING:
@@ -73,7 +68,8 @@ from eagledata.errors import StageError
 from eagledata.io import atomic_path, atomic_write_json, line_digest, loads_json, replace_unless_same, sha256_file
 from eagledata.text.families import ModelFamily
 from eagledata.text.tokenizer import Tokenizer
-from eagledata.tokens.planscan import Entry, RecordScan
+from eagledata.tokens.memory import peak_memory_mb
+from eagledata.tokens.plan import PLAN_VERSION
 from eagledata.tokens.sharedwork import shared_map, spawned_pool
 from eagledata.tokens import summaries
 from eagledata.tokens.planfile import plan_keys, read_plan
@@ -82,13 +78,12 @@ from eagledata.tokens.chunk_templates import native_stream_reading
 from eagledata.tokens.policy import resolve_policy
 from eagledata.tokens.responses import ParsedResponse
 from eagledata.tokens.samples import parse_record
-from eagledata.tokens.shards import (PASS1_SCHEMA, MAX_SHARD_FACTOR, Judge, ResponsesFileError, checked_record, is_boundary_id,
+from eagledata.tokens.sharding import SHARDING_RULE, shard_key  # (shard_key: named here by eagledata.extract.plan)
+from eagledata.tokens.shards import (PASS1_SCHEMA, Judge, ResponsesFileError, checked_record,
                                      Learned, proven_repairs, prune_shards, publish_shard, reconstruct_sample, transformations_seen, VerdictColumns,
                                      shard_name, few_distinct_lists)
 
 log = logging.getLogger(__name__)
-PLAN_VERSION = 2  # 2: a slice holds each record's io.line_digest (1: its sha256)
-SHARDING_RULE = "ids sorted; a shard starts at each id with int(sha256(id), 16) % shard_size == 0"
 #: Columns a part carries beyond the final shard's first columns (dropped when judged).
 _STATS_SCHEMA: Mapping[str, Any] = {"has_eot": pl.Boolean, "codes": pl.List(pl.Utf8), "has_tools": pl.Boolean,
                                     "prompt_alt": pl.Utf8}
@@ -99,163 +94,13 @@ _STATS_SCHEMA: Mapping[str, Any] = {"has_eot": pl.Boolean, "codes": pl.List(pl.U
 PART_SCHEMA: Mapping[str, Any] = {**PASS1_SCHEMA, "input_ids": pl.List(pl.Int32), **_STATS_SCHEMA}
 
 
-def peak_memory_mb() -> float:
-    """This process's peak resident memory so far (MB): each job logs it, so a job's peak can be
-    compared across dataset sizes (benchmarks/tokens_scale.py). Linux's ``VmHWM``: ``ru_maxrss``
-    keeps the peak from before ``exec``, i.e. that of the Snakemake process the job was forked from."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def shard_key(first_id: str) -> str:
-    """A shard's key: the first 16 hex of the sha256 of its first id."""
-    return hashlib.sha256(first_id.encode("utf-8")).hexdigest()[:16]
-
-
 def work_paths(work_dir: str | Path, key: str) -> dict[str, Path]:
     w = Path(work_dir)
     return {"slice": w / "slices" / f"{key}.tsv", "where": w / "where" / f"{key}.tsv", "part": w / "parts" / f"{key}.parquet",
             "summary": w / "parts" / f"{key}.summary.json"}
 
 
-# 1. the plan -------------------------------------------------------------------------------------
-
-#: Ids sorted in memory at a time; more are sorted in runs on disk and merged (the plan's memory does
-#: not grow with the dataset).
-RUN_ROWS = 16384
-
-
-def plan_shards(responses_path: str | Path, plan_path: str | Path, slices_dir: str | Path, dataset: str,
-                shard_size: int, workers: int = 1) -> dict[str, Any]:
-    """Write the plan and the slices (see the module docstring); return the plan. Memory does not grow
-    with the dataset: the ids are sorted in runs of :data:`RUN_ROWS` on disk and merged, twice (the
-    first merge refuses a duplicate id before any slice is written, and cuts the shards)."""
-    if shard_size < 1:
-        raise ResponsesFileError(f"tokens.shard_size must be >= 1, got {shard_size}")
-    slices = Path(slices_dir)
-    where = slices.parent / "where"
-    for d in (slices, where):
-        d.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".runs-", dir=slices.parent) as tmp:
-        runs, rows, digest = _sorted_id_runs(responses_path, dataset, Path(tmp), workers)
-        cuts = _shard_cuts(_merged(runs), responses_path, shard_size)
-        shards, written, keys, records = [], 0, set(), hashlib.sha256()
-        for first_id, n, group in _grouped(_merged(runs), cuts):
-            key = shard_key(first_id)
-            if key in keys:
-                raise ResponsesFileError(f"{responses_path}: two shards share the key {key} (first id {first_id!r})")
-            keys.add(key)
-            written += _write_if_changed(slices / f"{key}.tsv",
-                                         (f"{json.dumps(e[0], ensure_ascii=False)}\t{e[4]}\n" for e in group), records)
-            _write_if_changed(where / f"{key}.tsv", (f"{e[2]}\t{e[3]}\t{e[1]}\n" for e in group))
-            shards.append({"key": key, "rows": n, "first_id": first_id, "last_id": group[-1][0]})
-    for d in (slices, where):
-        for p in d.iterdir():
-            if p.suffix == ".tsv" and p.stem not in keys:
-                p.unlink()
-    plan = {"version": PLAN_VERSION, "dataset": dataset, "source": str(responses_path),
-            "source_lines_xxh3_128": digest, "source_records_sha256": records.hexdigest(), "rows": rows,
-            "sharding": {"rule": SHARDING_RULE, "shard_size": shard_size, "max_rows": MAX_SHARD_FACTOR * shard_size,
-                         "key": "sha256(first id)[:16]", "record_digest": "xxh3_128 of the record's line"},
-            "shards": shards}
-    atomic_write_json(plan_path, plan)
-    return {**plan, "slices_written": written}
-
-
-def _sorted_id_runs(responses_path: str | Path, dataset: str, tmp: Path, workers: int) -> tuple[list, int, str]:
-    """One read of the responses (every record checked as the one-job stage checks it; in up to
-    ``workers`` processes, :mod:`eagledata.tokens.planscan`): the runs of id-sorted entries (a list
-    in memory when there is one, else files in ``tmp``), the number of records and the file's XXH3-128."""
-    scan = RecordScan(responses_path, dataset, tmp, workers)
-    runs: list = []
-    buf: list[Entry] = []
-    rows = 0
-    for entry in scan.entries():
-        buf.append(entry)
-        rows += 1
-        if len(buf) >= RUN_ROWS:
-            runs.append(_spill(sorted(buf), tmp / f"run-{len(runs):05d}.tsv"))
-            buf = []
-    if not runs:
-        runs.append(sorted(buf))  # one run: no file
-    elif buf:
-        runs.append(_spill(sorted(buf), tmp / f"run-{len(runs):05d}.tsv"))
-    log.info("%s: %d records read in %d process(es)", responses_path, rows, scan.processes)
-    return runs, rows, scan.digest
-
-
-def _spill(entries: list[Entry], path: Path) -> Path:
-    with open(path, "w", encoding="utf-8") as fh:
-        for sid, *rest in entries:
-            fh.write("\t".join([orjson.dumps(sid).decode("utf-8"), *map(str, rest)]) + "\n")  # (read: loads_json)
-    return path
-
-
-def _read_run(run) -> Iterator[Entry]:
-    if isinstance(run, list):
-        yield from run
-        return
-    with open(run, encoding="utf-8") as fh:
-        for line in fh:
-            sid, lineno, offset, length, sha = line.rstrip("\n").split("\t")
-            yield loads_json(sid), int(lineno), int(offset), int(length), sha
-
-
-def _merged(runs: list) -> Iterator[Entry]:
-    return heapq.merge(*(_read_run(r) for r in runs))
-
-
-def _shard_cuts(entries: Iterator[Entry], responses_path: str | Path, shard_size: int) -> list[int]:
-    """The rows of each shard (:func:`~eagledata.tokens.shards.shard_groups`'s rule, streamed); a
-    duplicate id is refused naming the line where it first repeats."""
-    cap = MAX_SHARD_FACTOR * shard_size
-    cuts, cur, prev = [], 0, None
-    repeats: list[tuple[int, str]] = []
-    for sid, lineno, *_ in entries:
-        if prev is not None and sid == prev[0]:
-            repeats.append((max(lineno, prev[1]), sid))
-        if cur and (cur >= cap or is_boundary_id(sid, shard_size)):
-            cuts.append(cur)
-            cur = 0
-        cur += 1
-        prev = (sid, lineno)
-    if repeats:
-        line, sid = min(repeats)
-        raise ResponsesFileError(f"{responses_path}:{line}: field 'id': duplicate id {sid!r}")
-    return cuts + [cur] if cur else cuts
-
-
-def _grouped(entries: Iterator[Entry], cuts: Sequence[int]) -> Iterator[tuple[str, int, list[Entry]]]:
-    """(first id, rows, entries) of each shard, ``cuts`` giving the rows."""
-    for n in cuts:
-        group = [next(entries) for _ in range(n)]
-        yield group[0][0], n, group
-
-
-def _write_if_changed(path: Path, lines: Iterable[str], also: Any = None) -> int:
-    """Write ``lines`` to ``path`` (streamed, atomically), unless ``path`` holds those bytes already:
-    then it is left untouched (bytes and mtime). Returns 1 when written, 0 when left. ``also``: a
-    hashlib object that is fed the bytes too."""
-    tmp = path.with_name(f".{path.name}.new-{os.getpid()}")
-    digest = hashlib.sha256()
-    try:
-        with open(tmp, "wb") as out:
-            for line in lines:
-                data = line.encode("utf-8")
-                out.write(data)
-                digest.update(data)
-                if also is not None:
-                    also.update(data)
-        return 0 if replace_unless_same(tmp, path, digest.hexdigest()) else 1
-    finally:
-        tmp.unlink(missing_ok=True)
-
+# 1. a shard's slice ---------------------------------------------------------------------------
 
 def slice_sources(slice_path: str | Path) -> tuple[Path, str]:
     """Where a slice's records are: its ``where/`` file and the responses file its plan read (the
@@ -683,4 +528,4 @@ def _write_manifest(plan: Mapping[str, Any], learned: dict[str, Any], entries: S
 
 
 __all__ = ["PART_SCHEMA", "iter_slice", "run_shard_job", "judge_and_gather", "judge_shard", "learn_and_judge", "learn_repairs", "learn_summaries",
-           "part_stats", "refuse_stale_parts", "peak_memory_mb", "plan_keys", "plan_shards", "read_plan", "reconstruct_shard", "shard_key", "slice_sources", "work_paths"]
+           "part_stats", "refuse_stale_parts", "peak_memory_mb", "plan_keys", "read_plan", "reconstruct_shard", "shard_key", "slice_sources", "work_paths"]

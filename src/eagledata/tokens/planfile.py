@@ -1,4 +1,4 @@
-"""Reading a tokens plan (``tokens.work/plan.json``, written by :func:`eagledata.tokens.pershard.plan_shards`)
+"""Reading a tokens plan (``tokens.work/plan.json``, written by :func:`eagledata.tokens.plan.plan_shards`)
 without importing the stage: the workflow's input functions call :func:`plan_keys` once per job, the
 ``token_shard`` jobs' priority is :func:`plan_shard_rows`, and ``token_plan``'s thread count is
 :func:`plan_processes`."""

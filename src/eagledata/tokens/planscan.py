@@ -1,6 +1,6 @@
 """The plan's one read of a responses file, in parallel byte ranges when it is large.
 
-The plan (:func:`eagledata.tokens.pershard.plan_shards`) checks every record as the one-job stage
+The plan (:func:`eagledata.tokens.plan.plan_shards`) checks every record as the one-job stage
 checks it and needs, of each, its id, line number, byte offset, length and the digest of its line
 (:func:`~eagledata.io.line_digest`), and a digest of the file's records (``plan.json``'s
 ``source_lines_xxh3_128``: the XXH3-128 of each record line's ``offset TAB length TAB digest``, in file
@@ -36,8 +36,7 @@ from eagledata.io import (BLANK_LINE, ResponsesFileError, iter_lines_at, json_li
                           open_lines)
 from eagledata.tokens.planfile import plan_processes
 from eagledata.tokens.sharedwork import shared_map, spawned_pool
-from eagledata.tokens.samples import record_id
-from eagledata.tokens.shards import checked_record
+from eagledata.tokens.sharding import checked_record, record_id
 
 #: byte ranges per process: the ranges are shared out as the processes come to them (a spawned one
 #: starts about a job's start after this one), so smaller ones even out the processes' ends

@@ -40,11 +40,6 @@ class Sample:
         return self.prompt_ids + self.completion.ids
 
 
-def record_id(record: Mapping[str, Any], fallback: str | None) -> str | None:
-    rid = record.get("id")
-    return str(rid) if rid is not None else fallback
-
-
 def parse_record(record: Mapping[str, Any]) -> ParsedResponse:
     """The record's ``response_raw`` parsed under its ``status`` (:func:`parse_response`); a record
     without a body text is a malformed response."""

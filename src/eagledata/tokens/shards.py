@@ -51,7 +51,6 @@ shard and writes its final file.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -73,22 +72,16 @@ from eagledata.tokens.reconstruct import segments_json
 from eagledata.errors import InputError
 from eagledata.text.families import ModelFamily
 from eagledata.io import (ResponsesFileError, atomic_write_json, iter_json_lines, link_file, loads_json, open_lines,
-                          normalize_response_line, replace_unless_same, sha256_file)
+                          replace_unless_same, sha256_file)
 from eagledata.tokens.responses import ParsedResponse
-from eagledata.tokens.samples import alternative_prompt_lengths, record_id, tokenize_record
+from eagledata.tokens.samples import alternative_prompt_lengths, tokenize_record
+from eagledata.tokens.sharding import MAX_SHARD_FACTOR, checked_record, is_boundary_id, record_id
 from eagledata.text.tokenizer import Tokenizer
 
 __all__ = ["MAX_SHARD_FACTOR", "ResponsesFileError", "TokenStageResult", "build_token_shards", "is_boundary_id",
            "iter_records", "read_shards", "sha256_file", "shard_groups", "shard_name"]
 
-#: A shard is cut at ``MAX_SHARD_FACTOR * shard_size`` rows even without a boundary id.
-MAX_SHARD_FACTOR = 4
 SHARD_PREFIX = "shard-"
-
-
-def is_boundary_id(sample_id: str, shard_size: int) -> bool:
-    """Does a new shard start at ``sample_id``? ``int(sha256(id), 16) % shard_size == 0``."""
-    return int.from_bytes(hashlib.sha256(sample_id.encode("utf-8")).digest(), "big") % shard_size == 0
 
 
 def shard_groups(ids: Sequence[str], shard_size: int, max_factor: int = MAX_SHARD_FACTOR) -> list[list[str]]:
@@ -117,16 +110,6 @@ def iter_records(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
     accepts); bad lines raise naming file:line:field."""
     for lineno, where, rec in iter_json_lines(path, ResponsesFileError, "responses file"):
         yield lineno, checked_record(rec, where)
-
-
-def checked_record(rec: dict[str, Any], where: str) -> dict[str, Any]:
-    rec = normalize_response_line(rec)
-    for key in ("request", "response_raw"):
-        if key not in rec:
-            raise ResponsesFileError(f"{where}:{key}: missing")
-    if not isinstance(rec["request"], dict):
-        raise ResponsesFileError(f"{where}:request: must be an object")
-    return rec
 
 
 def _line_offsets(path: str | Path) -> list[int]:

@@ -1,4 +1,4 @@
-"""eagledata.tokens.allocator: the tokens job's setting for polars' allocator reaches polars, and a user's own
+"""eagledata.tokens.memory: the tokens job's setting for polars' allocator reaches polars, and a user's own
 setting is kept. Each case runs in a fresh interpreter (polars reads the variable once, when imported)."""
 import os
 import subprocess
@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from eagledata.tokens.allocator import AT_ONCE, POLARS_DEFAULT
+from eagledata.tokens.memory import AT_ONCE, POLARS_DEFAULT
 
-PROBE = ("import os; from eagledata.tokens.allocator import return_freed_pages_at_once as r; set_ = r(); "
+PROBE = ("import os; from eagledata.tokens.memory import return_freed_pages_at_once as r; set_ = r(); "
          "import polars; print(set_); print(os.environ['_RJEM_MALLOC_CONF'])")
 
 

@@ -1,4 +1,5 @@
-"""How polars' allocator (jemalloc) returns freed memory in a job that holds one shard after another.
+"""A job's memory: its peak (:func:`peak_memory_mb`, which every tokens job logs), and how polars'
+allocator (jemalloc) returns freed memory in a job that holds one shard after another.
 
 polars sets ``_RJEM_MALLOC_CONF`` when imported (``dirty_decay_ms:500,muzzy_decay_ms:1000``, followed by
 whatever the variable held), so a job started by Snakemake, whose own process imported polars, inherits
@@ -10,11 +11,26 @@ about 4% more of its time). A value the user set is left as it is.
 from __future__ import annotations
 
 import os
+import resource
 
 #: what polars writes into the variable when it finds it unset (polars/__init__.py)
 POLARS_DEFAULT = "dirty_decay_ms:500,muzzy_decay_ms:1000"
 #: freed pages returned at once, none kept for reuse
 AT_ONCE = "dirty_decay_ms:0,muzzy_decay_ms:0"
+
+
+def peak_memory_mb() -> float:
+    """This process's peak resident memory so far (MB): each job logs it, so a job's peak can be
+    compared across dataset sizes (benchmarks/tokens_scale.py). Linux's ``VmHWM``: ``ru_maxrss``
+    keeps the peak from before ``exec``, i.e. that of the Snakemake process the job was forked from."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def return_freed_pages_at_once() -> bool:
@@ -26,4 +42,4 @@ def return_freed_pages_at_once() -> bool:
     return False
 
 
-__all__ = ["AT_ONCE", "POLARS_DEFAULT", "return_freed_pages_at_once"]
+__all__ = ["AT_ONCE", "POLARS_DEFAULT", "peak_memory_mb", "return_freed_pages_at_once"]
