@@ -301,7 +301,7 @@ def pipeline(sizes: list[int], work: Path, shard_size: int = 1000, two_cores: bo
         print(f"  where the 1-core time goes, in ms per sample: "
               + ", ".join(f"{k} {v * 1e3 / manifest['rows']:.2f}" for k, v in parts.items())
               + f"; raw tiktoken's encode of the same text {tokens['tokens'] / raw_rate * 1e3 / manifest['rows']:.2f}", flush=True)
-        if two_cores:
+        if two_cores and all(shard_walls.values()):
             rest = {c: walls[c] - shard_walls[c] for c in (1, 2)}
             print(f"  what 2 cores speed up: the token_shard jobs {shard_walls[1]:.1f}s -> {shard_walls[2]:.1f}s "
                   f"({shard_walls[1] / shard_walls[2]:.2f}x, from the first job's start to the last one's end); the rest "

@@ -217,6 +217,11 @@ def test_parallel_plan_refuses_a_bad_record_as_one_process_does(tmp_path, monkey
         tp.plan_shards(src, tmp_path / "plan.json", tmp_path / "slices", "ds", 10, workers=2)
     expected = f"{src}:{bad_line}:(json): invalid JSON" if bad == "cut" else f"{src}:{bad_line}:id: a lone surrogate"
     assert str(parallel.value) == str(one.value) and str(one.value).startswith(expected)
+    if bad == "id":  # the one-job stage refuses it alike (it crashed hashing the id)
+        fam = get_family("kimi-k2")
+        with pytest.raises(ps.ResponsesFileError) as one_job:
+            build_token_shards(src, tmp_path / "old", load_tokenizer(K2, fam), fam, "ds", shard_size=10)
+        assert str(one_job.value) == str(one.value)
 
 
 @needs_recorded

@@ -13,8 +13,10 @@ from __future__ import annotations
 import os
 import resource
 
-#: what polars writes into the variable when it finds it unset (polars/__init__.py)
+#: what polars writes into the variable when it finds it unset (polars/__init__.py), and what it adds
+#: with ``POLARS_THP=1``
 POLARS_DEFAULT = "dirty_decay_ms:500,muzzy_decay_ms:1000"
+POLARS_THP = ",thp:always,metadata_thp:always"
 #: freed pages returned at once, none kept for reuse
 AT_ONCE = "dirty_decay_ms:0,muzzy_decay_ms:0"
 
@@ -35,11 +37,12 @@ def peak_memory_mb() -> float:
 
 def return_freed_pages_at_once() -> bool:
     """Set ``_RJEM_MALLOC_CONF`` to :data:`AT_ONCE` where it is unset, empty or polars' default
-    (inherited); True when set."""
-    if os.environ.get("_RJEM_MALLOC_CONF") in (None, "", POLARS_DEFAULT):
+    (inherited; with its huge-page options, which polars adds again here where ``POLARS_THP=1``); True
+    when set."""
+    if os.environ.get("_RJEM_MALLOC_CONF") in (None, "", POLARS_DEFAULT, POLARS_DEFAULT + POLARS_THP):
         os.environ["_RJEM_MALLOC_CONF"] = AT_ONCE
         return True
     return False
 
 
-__all__ = ["AT_ONCE", "POLARS_DEFAULT", "peak_memory_mb", "return_freed_pages_at_once"]
+__all__ = ["AT_ONCE", "POLARS_DEFAULT", "POLARS_THP", "peak_memory_mb", "return_freed_pages_at_once"]

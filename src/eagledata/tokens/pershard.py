@@ -38,7 +38,7 @@ shard, and steps 3-5 together (:func:`learn_and_judge`, the ``tokens`` rule):
    one per shard: the per-shard judge jobs this replaced cost half of the stage's time.
 
 No job holds more than one shard's samples, and none holds a dataset-sized structure: the plan sorts
-the ids in runs of :data:`RUN_ROWS` on disk and merges them, learning holds counters, and the
+the ids in runs of :data:`~eagledata.tokens.plan.RUN_ROWS` on disk and merges them, learning holds counters, and the
 per-shard steps turn :data:`BATCH_ROWS` rows at a time into Python objects. A new response rewrites one slice (two when it starts a shard), so one reconstruction job
 reruns, then the dataset's learning and judging jobs (a shard whose verdicts did not change keeps its
 file, so nothing downstream of it reruns).
@@ -69,10 +69,9 @@ from eagledata.io import atomic_path, atomic_write_json, line_digest, loads_json
 from eagledata.text.families import ModelFamily
 from eagledata.text.tokenizer import Tokenizer
 from eagledata.tokens.memory import peak_memory_mb
-from eagledata.tokens.plan import PLAN_VERSION
 from eagledata.tokens.sharedwork import shared_map, spawned_pool
 from eagledata.tokens import summaries
-from eagledata.tokens.planfile import plan_keys, read_plan
+from eagledata.tokens.planfile import PLAN_VERSION, plan_keys, read_plan
 from eagledata.tokens.checks import SampleStats
 from eagledata.tokens.chunk_templates import native_stream_reading
 from eagledata.tokens.policy import resolve_policy
@@ -283,20 +282,15 @@ def learn_summaries(summary_paths: Sequence[str | Path], out_path: str | Path,
     """The dataset's conventions from its shards' summaries (nothing else is read), merged as they are
     read: one summary in memory at a time (about 20 KB each as Python objects; a 2M-sample dataset has
     2,000). With ``tokenizer_fingerprint``, every shard must have been reconstructed with that
-    tokenizer (:func:`refuse_stale_parts`)."""
-    stale: list[tuple[Path, str | None]] = []
+    tokenizer (:func:`refuse_stale_parts`), checked in a first read of them all before any is merged."""
+    def read(p: str | Path) -> dict[str, Any]:
+        return json.loads(Path(p).read_text(encoding="utf-8"))
 
-    def current() -> Iterator[Mapping[str, Any]]:
-        for p in summary_paths:
-            summary = json.loads(Path(p).read_text(encoding="utf-8"))
-            if tokenizer_fingerprint is None or summary.get("tokenizer_fingerprint") == tokenizer_fingerprint:
-                yield summary
-            else:  # (refused once all are read, with the others the error names)
-                stale.append((Path(p), summary.get("tokenizer_fingerprint")))
-
-    merged = summaries.merge(current())
-    if stale:
-        refuse_stale_parts(stale, len(summary_paths), tokenizer_fingerprint or "")
+    if tokenizer_fingerprint is not None:
+        stale = [(Path(p), fp) for p in summary_paths
+                 if (fp := read(p).get("tokenizer_fingerprint")) != tokenizer_fingerprint]
+        refuse_stale_parts(stale, len(summary_paths), tokenizer_fingerprint)
+    merged = summaries.merge(read(p) for p in summary_paths)
     conventions, reliability, variants = summaries.learn(merged)
     learned = {"rows": merged["rows"], "conventions": conventions, "reliability": reliability, "variants": variants}
     atomic_write_json(out_path, learned)

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+PLAN_VERSION = 2  # 2: a slice holds each record's io.line_digest (1: its sha256)
 #: plan path -> ((mtime_ns, size), its shards' rows by key, in the plan's order)
 _CACHE: dict[str, tuple[tuple[int, int], dict[str, int]]] = {}
 #: a process reading the responses for the plan reads at least this many bytes: spawning one costs about

@@ -24,7 +24,6 @@ read gives (the same text, the same global line). Processes are spawned, not for
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Iterator
 
@@ -41,7 +40,6 @@ from eagledata.tokens.sharding import checked_record, record_id
 #: byte ranges per process: the ranges are shared out as the processes come to them (a spawned one
 #: starts about a job's start after this one), so smaller ones even out the processes' ends
 RANGES_PER_PROCESS = 4
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 #: (id, line number, byte offset, length without the line break, digest of the line: io.line_digest)
 Entry = tuple[str, int, int, int, str]
@@ -132,9 +130,6 @@ def _entry(path: Path, lineno: int, offset: int, raw: bytes) -> tuple | None:
     if rec is BLANK_LINE:
         return None
     sid = record_id(checked_record(rec, where), None)  # named after its global line later
-    if sid is not None and not sid.isascii() and _LONE_SURROGATE.search(sid):
-        raise ResponsesFileError(f"{where}:id: a lone surrogate escape (\\ud800-\\udfff unpaired) is no Unicode "
-                                 "text: an id must be (its shard follows from its UTF-8 bytes)")
     line = raw.rstrip(b"\r\n")
     return sid, lineno, offset, len(line), line_digest(line)
 

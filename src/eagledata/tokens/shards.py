@@ -54,10 +54,11 @@ import dataclasses
 import json
 import os
 import shutil
+from array import array
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import polars as pl
 
@@ -313,7 +314,8 @@ class VerdictColumns:
     shard's frame once (:meth:`on`): what a sample's stats and judgement decide, a few small values a
     row, and the rows a chosen repair replaces. A prompt the billed count cannot prove (``unproven``: the
     tools' key order, given the provider's learned ``variants``) adds ``prompt_order_unproven`` to the
-    sample's reasons and joint verdict (its judgement is changed as it is added)."""
+    sample's reasons and joint verdict (its judgement is changed as it is added). A repaired row is held
+    compactly until then (:class:`RepairedRow`), not as its reconstruction."""
 
     NAMES = ("completion_diff", "prompt_diff", "verdict", "completion_verdict", "prompt_verdict", "prompt_variant",
              "reasons", "train", "repair")
@@ -321,7 +323,7 @@ class VerdictColumns:
     def __init__(self, variants: Mapping[str, Any], admitted: Policy) -> None:
         self.variants, self.admitted = variants, admitted
         self.cols: dict[str, list] = {k: [] for k in self.NAMES}
-        self.repaired: dict[int, tuple[SampleStats, Any]] = {}
+        self.repaired: dict[int, RepairedRow] = {}
         self.rows = 0
 
     def add(self, stats: Sequence[SampleStats], judged: Sequence["Judgement"]) -> None:
@@ -329,7 +331,7 @@ class VerdictColumns:
         cols, variants = self.cols, self.variants
         for st, j in zip(stats, judged):
             if j.repair is not None and j.repair.chosen is not None:
-                self.repaired[self.rows] = (st, j.repair.chosen)
+                self.repaired[self.rows] = RepairedRow.of(st, j.repair.chosen)
             self.rows += 1
             cols["completion_diff"].append(j.completion_diff)
             cols["prompt_diff"].append(st.prompt_diff)
@@ -378,9 +380,22 @@ def few_distinct_lists(name: str, lists: Sequence[Sequence[str]]) -> pl.Series:
 _REPAIRABLE_COLUMNS = {"input_ids": None, "segments": pl.Utf8, "completion_len": pl.Int32, "reasoning_len": pl.Int32}
 
 
-def _repaired_columns(df: pl.DataFrame, repaired: Mapping[int, tuple[SampleStats, Any]]) -> list:
-    """The columns a chosen repair replaces, with the repaired rows' values (row -> (stats, chosen
-    repair)): only those rows are made anew, the others' slices kept (turning every id of a chunk into a
+class RepairedRow(NamedTuple):
+    """What a chosen repair replaces in its row: the prompt's length (its ids are the row's), the
+    completion's ids (32-bit, as a part holds them), segments (JSON) and counts."""
+
+    prompt_len: int
+    completion_ids: array
+    segments: str
+    reasoning_len: int
+
+    @classmethod
+    def of(cls, st: SampleStats, chosen: Any) -> "RepairedRow":
+        return cls(st.prompt_len, array("i", chosen.ids), segments_json(chosen.segments), chosen.reasoning_tokens)
+
+
+def _repaired_columns(df: pl.DataFrame, repaired: Mapping[int, RepairedRow]) -> list:
+    """The columns a chosen repair replaces, with the repaired rows' values: only those rows are made anew, the others' slices kept (turning every id of a chunk into a
     Python int and back was most of judging's time); one contiguous column each, as built whole."""
     dtypes = {name: dtype or df.schema[name] for name, dtype in _REPAIRABLE_COLUMNS.items()}
     if not repaired:
@@ -388,11 +403,11 @@ def _repaired_columns(df: pl.DataFrame, repaired: Mapping[int, tuple[SampleStats
     rows = sorted(repaired)
     new: dict[str, list] = {name: [] for name in dtypes}
     for row in rows:
-        st, rc = repaired[row]
-        new["input_ids"].append(df["input_ids"][row].to_list()[: st.prompt_len] + rc.ids)
-        new["segments"].append(segments_json(rc.segments))
-        new["completion_len"].append(len(rc.ids))
-        new["reasoning_len"].append(rc.reasoning_tokens)
+        r = repaired[row]
+        new["input_ids"].append(df["input_ids"][row].to_list()[: r.prompt_len] + r.completion_ids.tolist())
+        new["segments"].append(r.segments)
+        new["completion_len"].append(len(r.completion_ids))
+        new["reasoning_len"].append(r.reasoning_len)
     columns = []
     for name, dtype in dtypes.items():
         column, values, pieces, start = df[name].cast(dtype), pl.Series(name, new[name], dtype=dtype), [], 0
