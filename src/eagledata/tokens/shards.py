@@ -395,8 +395,9 @@ class RepairedRow(NamedTuple):
 
 
 def _repaired_columns(df: pl.DataFrame, repaired: Mapping[int, RepairedRow]) -> list:
-    """The columns a chosen repair replaces, with the repaired rows' values: only those rows are made anew, the others' slices kept (turning every id of a chunk into a
-    Python int and back was most of judging's time); one contiguous column each, as built whole."""
+    """The columns a chosen repair replaces, with the repaired rows' values: only those rows are made
+    anew, the others' slices kept (turning every id of a chunk into a Python int and back was most of
+    judging's time); one contiguous column each, as built whole."""
     dtypes = {name: dtype or df.schema[name] for name, dtype in _REPAIRABLE_COLUMNS.items()}
     if not repaired:
         return [pl.col(name).cast(dtype) for name, dtype in dtypes.items()]
