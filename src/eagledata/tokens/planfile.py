@@ -13,11 +13,12 @@ from typing import Any
 PLAN_VERSION = 2  # 2: a slice holds each record's io.line_digest (1: its sha256)
 #: plan path -> ((mtime_ns, size), its shards' rows by key, in the plan's order)
 _CACHE: dict[str, tuple[tuple[int, int], dict[str, int]]] = {}
-#: a process reading the responses for the plan reads at least this many bytes: spawning one costs about
-#: 0.35 s, and the main process reads every entry back and merges them alone. Measured on 2 cores: 480 MB
-#: of recorded samples (80k) 1.46 s in one process, 1.55 s in two; 1.2 GB (200k) about the same either way;
-#: 1.7 GB of drafter-sized ones (10k) 1.7 s in one, 1.4 s in two
-MIN_BYTES_PER_PROCESS = 512 << 20
+#: a process reading the responses for the plan reads at least this many bytes: spawning one costs a few
+#: hundredths of a second (the plan imports no polars), and the main process reads every entry back and
+#: merges them alone. Measured on 2 cores, the whole plan in one process and in two: 60 MB of recorded
+#: samples (10k) 0.18-0.20 s and 0.20-0.22 s; 480 MB (80k) 1.44-1.53 s and 1.21-1.24 s; 1.2 GB (200k)
+#: 3.72-3.79 s and 3.02 s
+MIN_BYTES_PER_PROCESS = 64 << 20
 
 
 def plan_processes(size: int, most: int) -> int:
