@@ -87,12 +87,16 @@ class Tokenizer(Protocol):
     def special_names(self) -> dict[str, int]: ...
 
 
+def kimi_keeps_whole(text: str) -> bool:
+    """Whether Kimi's tokenizer encodes ``text`` as one piece (:func:`split_for_kimi` cuts it otherwise)."""
+    return len(text) <= TIKTOKEN_MAX_ENCODE_CHARS and (
+        len(text) <= MAX_NO_WHITESPACES_CHARS or not _LONG_RUN.search(text))
+
+
 def split_for_kimi(text: str) -> Iterator[str]:
     """Cut ``text`` the way Kimi's tokenizer does before encoding: 400,000-character windows, and
     runs of whitespace or of non-whitespace longer than 25,000 characters split into pieces."""
-    if len(text) <= TIKTOKEN_MAX_ENCODE_CHARS and (
-        len(text) <= MAX_NO_WHITESPACES_CHARS or not _LONG_RUN.search(text)
-    ):
+    if kimi_keeps_whole(text):
         yield text
         return
     for i in range(0, len(text), TIKTOKEN_MAX_ENCODE_CHARS):
@@ -302,7 +306,7 @@ class TiktokenTokenizer:
         they are longer than :data:`PROMPT_HEAD_MAX_CHARS`, or where the split is not provably exact."""
         if not (self.specials_shaped and _BLOCK_END in self.specials and text.startswith(_SYSTEM_BLOCK)):
             return 0
-        if len(text) > TIKTOKEN_MAX_ENCODE_CHARS or (len(text) > MAX_NO_WHITESPACES_CHARS and _LONG_RUN.search(text)):
+        if not kimi_keeps_whole(text):
             return 0  # Kimi's tokenizer cuts this text itself: encoded whole
         end = 0
         while text.startswith(_SYSTEM_BLOCK, end):

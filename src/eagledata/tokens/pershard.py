@@ -4,22 +4,20 @@ samples, verdicts and shard files as :func:`eagledata.tokens.shards.build_token_
 Steps under ``results/{dataset}/tokens.work/``, in three jobs: the plan, one reconstruction per
 shard, and steps 3-5 together (:func:`learn_and_judge`, the ``tokens`` rule):
 
-1. :func:`~eagledata.tokens.plan.plan_shards` (a checkpoint; no polars in its job): streams the responses' ids (every record checked, as the
-   one-job stage checks them), cuts them by the stable rule (:func:`~eagledata.tokens.shards.shard_groups`)
-   and writes ``plan.json`` (shard key -> rows, first and last id; ``source_lines_xxh3_128``, a digest of the file's records
-   as it holds them (:class:`~eagledata.tokens.planscan.RecordScan`), and
-   ``source_records_sha256``, the sha256 of the slices concatenated in plan order: the records in id
-   order, so a reorder of the lines changes the one, not the other, and the manifest records the other)
-   and, per shard, a *slice*,
-   ``slices/{key}.tsv`` (what the shard holds, id order: ``json(id) TAB digest of the record's line``,
-   :func:`~eagledata.io.line_digest`)
-   and where its records are, ``where/{key}.tsv`` (``byte offset TAB length TAB line number`` in the
-   responses file). The records are not copied: a slice is about 100 bytes a sample whatever the
-   responses' size. A slice whose bytes did not change is left untouched (same bytes, same mtime),
-   so the shard's jobs do not rerun when records move in the file or others change; the slices are
-   not a Snakemake output for the same reason as ``tokens.store`` (a rerun would delete them).
-   A shard's **key** is the first 16 hex of the sha256 of its first id: stable while that shard's
-   first id is, and the same key extraction jobs can follow later.
+1. :func:`~eagledata.tokens.plan.plan_shards` (a checkpoint; no polars in its job): streams the responses' ids
+   (every record checked, as the one-job stage checks them), cuts them by the stable rule
+   (:func:`~eagledata.tokens.shards.shard_groups`) and writes ``plan.json`` (shard key -> rows, first and last
+   id; ``source_lines_xxh3_128``, a digest of the file's records as it holds them
+   (:class:`~eagledata.tokens.planscan.RecordScan`), and ``source_records_sha256``, the sha256 of the slices
+   concatenated in plan order: the records in id order, so a reorder of the lines changes the one, not the
+   other, and the manifest records the other) and, per shard, a *slice*, ``slices/{key}.tsv`` (what the shard
+   holds, id order: ``json(id) TAB digest of the record's line``, :func:`~eagledata.io.line_digest`) and where
+   its records are, ``where/{key}.tsv`` (``byte offset TAB length TAB line number`` in the responses file).
+   The records are not copied: a slice is about 100 bytes a sample whatever the responses' size. A slice whose
+   bytes did not change is left untouched (same bytes, same mtime), so the shard's jobs do not rerun when
+   records move in the file or others change; the slices are not a Snakemake output for the same reason as
+   ``tokens.store`` (a rerun would delete them). A shard's **key** is the first 16 hex of the sha256 of its
+   first id: stable while that shard's first id is, and the same key extraction jobs can follow later.
 2. :func:`reconstruct_shard` (per shard, the heavy one): the slice's records, read from the responses
    at their offsets and checked against the slice's digests -> ``parts/{key}.parquet``
    (ids and everything verdicts are computed from) + ``parts/{key}.summary.json`` (a few hundred bytes
@@ -37,11 +35,11 @@ shard, and steps 3-5 together (:func:`learn_and_judge`, the ``tokens`` rule):
    a second per shard, less than a job's start (about a second), so steps 3-5 are one job rather than
    one per shard: the per-shard judge jobs this replaced cost half of the stage's time.
 
-No job holds more than one shard's samples, and none holds a dataset-sized structure: the plan sorts
-the ids in runs of :data:`~eagledata.tokens.plan.RUN_ROWS` on disk and merges them, learning holds counters, and the
-per-shard steps turn :data:`BATCH_ROWS` rows at a time into Python objects. A new response rewrites one slice (two when it starts a shard), so one reconstruction job
-reruns, then the dataset's learning and judging jobs (a shard whose verdicts did not change keeps its
-file, so nothing downstream of it reruns).
+No job holds more than one shard's samples, and none holds a dataset-sized structure: the plan sorts the ids
+in runs of :data:`~eagledata.tokens.plan.RUN_ROWS` on disk and merges them, learning holds counters, and the
+per-shard steps turn :data:`BATCH_ROWS` rows at a time into Python objects. A new response rewrites one slice
+(two when it starts a shard), so one reconstruction job reruns, then the dataset's learning and judging jobs
+(a shard whose verdicts did not change keeps its file, so nothing downstream of it reruns).
 """
 
 from __future__ import annotations
@@ -77,8 +75,8 @@ from eagledata.tokens.chunk_templates import native_stream_reading
 from eagledata.tokens.policy import resolve_policy
 from eagledata.tokens.responses import ParsedResponse
 from eagledata.tokens.samples import parse_record
-from eagledata.tokens.sharding import SHARDING_RULE, shard_key  # (shard_key: named here by eagledata.extract.plan)
-from eagledata.tokens.shards import (PASS1_SCHEMA, Judge, ResponsesFileError, checked_record,
+from eagledata.tokens.sharding import SHARDING_RULE, checked_record, shard_key  # (shard_key: named here by eagledata.extract.plan)
+from eagledata.tokens.shards import (PASS1_SCHEMA, Judge, ResponsesFileError,
                                      Learned, proven_repairs, prune_shards, publish_shard, reconstruct_sample, transformations_seen, VerdictColumns,
                                      shard_name, few_distinct_lists)
 
@@ -282,15 +280,27 @@ def learn_summaries(summary_paths: Sequence[str | Path], out_path: str | Path,
     """The dataset's conventions from its shards' summaries (nothing else is read), merged as they are
     read: one summary in memory at a time (about 20 KB each as Python objects; a 2M-sample dataset has
     2,000). With ``tokenizer_fingerprint``, every shard must have been reconstructed with that
-    tokenizer (:func:`refuse_stale_parts`), checked in a first read of them all before any is merged."""
-    def read(p: str | Path) -> dict[str, Any]:
-        return json.loads(Path(p).read_text(encoding="utf-8"))
+    tokenizer (:func:`refuse_stale_parts`): that refusal comes first, also where a current summary does
+    not merge."""
+    stale: list[tuple[Path, str | None]] = []
 
-    if tokenizer_fingerprint is not None:
-        stale = [(Path(p), fp) for p in summary_paths
-                 if (fp := read(p).get("tokenizer_fingerprint")) != tokenizer_fingerprint]
-        refuse_stale_parts(stale, len(summary_paths), tokenizer_fingerprint)
-    merged = summaries.merge(read(p) for p in summary_paths)
+    def current() -> Iterator[dict[str, Any]]:
+        for p in summary_paths:
+            summary = json.loads(Path(p).read_text(encoding="utf-8"))
+            fp = summary.get("tokenizer_fingerprint")
+            if tokenizer_fingerprint is None or fp == tokenizer_fingerprint:
+                yield summary
+            else:
+                stale.append((Path(p), fp))
+
+    read = current()
+    try:
+        merged = summaries.merge(read)
+    finally:
+        for _ in read:  # (where the merge failed: the rest read for their fingerprints)
+            pass
+        if stale:
+            refuse_stale_parts(stale, len(summary_paths), tokenizer_fingerprint)  # (stale: a fingerprint given)
     conventions, reliability, variants = summaries.learn(merged)
     learned = {"rows": merged["rows"], "conventions": conventions, "reliability": reliability, "variants": variants}
     atomic_write_json(out_path, learned)

@@ -14,11 +14,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
-import orjson
-
-from eagledata.io import ResponsesFileError, atomic_write_json, loads_json, replace_unless_same
+from eagledata.io import ResponsesFileError, atomic_write_json, replace_unless_same
 from eagledata.tokens.planfile import PLAN_VERSION
-from eagledata.tokens.planscan import Entry, RecordScan
+from eagledata.tokens.planscan import Entry, RecordScan, entry_line, read_entry
 from eagledata.tokens.sharding import MAX_SHARD_FACTOR, SHARDING_RULE, is_boundary_id, shard_key
 
 log = logging.getLogger(__name__)
@@ -88,8 +86,7 @@ def _sorted_id_runs(responses_path: str | Path, dataset: str, tmp: Path, workers
 
 def _spill(entries: list[Entry], path: Path) -> Path:
     with open(path, "w", encoding="utf-8") as fh:
-        for sid, *rest in entries:
-            fh.write("\t".join([orjson.dumps(sid).decode("utf-8"), *map(str, rest)]) + "\n")  # (read: loads_json)
+        fh.writelines(map(entry_line, entries))
     return path
 
 
@@ -98,9 +95,7 @@ def _read_run(run) -> Iterator[Entry]:
         yield from run
         return
     with open(run, encoding="utf-8") as fh:
-        for line in fh:
-            sid, lineno, offset, length, sha = line.rstrip("\n").split("\t")
-            yield loads_json(sid), int(lineno), int(offset), int(length), sha
+        yield from map(read_entry, fh)
 
 
 def _merged(runs: list) -> Iterator[Entry]:

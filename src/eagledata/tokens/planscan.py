@@ -46,6 +46,18 @@ RANGES_PER_PROCESS = 16
 Entry = tuple[str, int, int, int, str]
 
 
+def entry_line(entry: Entry) -> str:
+    """An entry as a line of a scratch file (the range readers' and the plan's sorted runs):
+    ``json(id or null) TAB line TAB offset TAB length TAB digest``; :func:`read_entry` reads it back."""
+    sid, lineno, offset, length, sha = entry
+    return f"{orjson.dumps(sid).decode('utf-8')}\t{lineno}\t{offset}\t{length}\t{sha}\n"
+
+
+def read_entry(line: str) -> Entry:
+    sid, lineno, offset, length, sha = line.rstrip("\n").split("\t")
+    return loads_json(sid), int(lineno), int(offset), int(length), sha
+
+
 class RecordScan:
     """Iterate :meth:`entries` once (file order); then :attr:`digest` is the digest of the file's records
     (``source_lines_xxh3_128``, hex) and :attr:`processes` says how many processes read it."""
@@ -90,9 +102,8 @@ class RecordScan:
         for out, base in zip(outs, bases):
             with open(out, encoding="utf-8") as fh:
                 for row in fh:
-                    sid, lineno, offset, length, sha = row.rstrip("\n").split("\t")
-                    line = base + int(lineno)
-                    yield self._with_id((loads_json(sid), line, int(offset), int(length), sha), line)
+                    sid, lineno, offset, length, sha = read_entry(row)
+                    yield self._with_id((sid, base + lineno, offset, length, sha), base + lineno)
             out.unlink()
 
     def _with_id(self, entry: tuple, line: int) -> Entry:
@@ -106,7 +117,7 @@ def _scan_range_of(args: tuple[str, int, int, str]) -> tuple[int, tuple[int, str
 
 def scan_range(path: str, start: int, end: int, out: str) -> tuple[int, tuple[int, str] | None]:
     """One worker's range of ``path`` (the lines starting in ``[start, end)``) -> ``out``, a row per
-    record (``json(id or null) TAB line in the range TAB offset TAB length TAB digest``). Returns the
+    record (:func:`entry_line`, its line numbered in the range). Returns the
     number of lines read and, for a bad record, ``(its line in the range, the error's message)``
     (the range is not read further)."""
     verify_inherited_code()  # a spawned reader imports the code on disk now: the job's stamps' code?
@@ -118,8 +129,7 @@ def scan_range(path: str, start: int, end: int, out: str) -> tuple[int, tuple[in
             except ResponsesFileError as exc:
                 return lines, (lines, str(exc))
             if entry is not None:
-                sid, lineno, offset, length, sha = entry
-                fh.write(f"{orjson.dumps(sid).decode('utf-8')}\t{lineno}\t{offset}\t{length}\t{sha}\n")
+                fh.write(entry_line(entry))
     return lines, None
 
 
@@ -152,4 +162,4 @@ def _line_starts(path: Path, parts: int) -> list[int]:
     return cuts + [size]
 
 
-__all__ = ["Entry", "RecordScan", "scan_range"]
+__all__ = ["Entry", "RecordScan", "entry_line", "read_entry", "scan_range"]

@@ -8,14 +8,12 @@ plan (``token_plan``) needs only this, and its job starts faster without it.
 from __future__ import annotations
 
 import hashlib
-import re
 from typing import Any, Mapping
 
 from eagledata.io import ResponsesFileError, normalize_response_line
 
 #: A shard is cut at ``MAX_SHARD_FACTOR * shard_size`` rows even without a boundary id.
 MAX_SHARD_FACTOR = 4
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 SHARDING_RULE = "ids sorted; a shard starts at each id with int(sha256(id), 16) % shard_size == 0"
 
 
@@ -45,9 +43,12 @@ def checked_record(rec: dict[str, Any], where: str) -> dict[str, Any]:
     if not isinstance(rec["request"], dict):
         raise ResponsesFileError(f"{where}:request: must be an object")
     rid = rec.get("id")
-    if isinstance(rid, str) and not rid.isascii() and _LONE_SURROGATE.search(rid):
-        raise ResponsesFileError(f"{where}:id: a lone surrogate escape (\\ud800-\\udfff unpaired) is no Unicode "
-                                 "text: an id must be (its shard follows from its UTF-8 bytes)")
+    if isinstance(rid, str) and not rid.isascii():
+        try:
+            rid.encode("utf-8")
+        except UnicodeEncodeError:  # (only a lone surrogate has no UTF-8 bytes)
+            raise ResponsesFileError(f"{where}:id: a lone surrogate escape (\\ud800-\\udfff unpaired) is no "
+                                     "Unicode text: an id must be (its shard follows from its UTF-8 bytes)") from None
     return rec
 
 
